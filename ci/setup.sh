@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Everything a fresh Debian machine needs before hpct can fetch, build and test:
+# a deb-src entry (Gloo and PyTorch come as Debian source packages), the build
+# toolchain, and the Python packages.  Idempotent: a second run changes nothing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+[ "$(id -u)" = 0 ] || SUDO="sudo"
+
+APT_PACKAGES=(cmake ninja-build g++ patch git libgtest-dev libssl-dev iproute2 procps binutils)
+TORCH_VERSION=2.13.0          # the local CPU wheel; never let pip resolve an unpinned torch
+NCCL_WHEEL=nvidia-nccl-cu12==2.21.5   # the NCCL PyTorch 2.6.0 pins; doctor's tests load it
+
+deb_src=/etc/apt/sources.list.d/hpct-deb-src.sources
+if ! grep -rqs '^Types:.*deb-src\|^deb-src ' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+  # Reuse the mirror of the machine's own deb entry rather than hard-coding a host.
+  uri=$(grep -rhs '^URIs:' /etc/apt/sources.list.d/*.sources | awk '{print $2}' | grep -v security | head -n1 || true)
+  [ -n "$uri" ] || uri=$(grep -hs '^deb ' /etc/apt/sources.list | awk '{print $2}' | head -n1 || true)
+  [ -n "$uri" ] || { echo "ci/setup.sh: no Debian mirror found in /etc/apt to reuse for deb-src" >&2; exit 1; }
+  echo "ci/setup.sh: adding deb-src entry for $uri ($deb_src)"
+  tmp=$(mktemp)
+  printf 'Types: deb-src\nURIs: %s\nSuites: bookworm trixie\nComponents: main contrib\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' "$uri" >"$tmp"
+  $SUDO install -m 0644 "$tmp" "$deb_src"
+  rm -f "$tmp"
+  $SUDO apt-get update -qq
+fi
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "ci/setup.sh: apt-get install ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+have() { "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('$1') != '$2')" 2>/dev/null; }
+have torch "${TORCH_VERSION}+cpu" || have torch "$TORCH_VERSION" || "$PY" -m pip install -q "torch==$TORCH_VERSION"
+"$PY" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "pytest>=7" "$NCCL_WHEEL"
+echo "ci/setup.sh: ready ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"

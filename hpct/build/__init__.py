@@ -1,0 +1,1 @@
+"""``hpct-build``: fetch the pinned sources, apply hpct's patch series, build."""

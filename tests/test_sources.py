@@ -1,0 +1,183 @@
+"""hpct-build fetch: pinned manifests, sha256, providers, --source, atomicity."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from util import run_cli
+
+pytestmark = pytest.mark.unit
+
+GLOO_DIR = "third_party/src/gloo-5354032"
+
+
+def _tarball(path: Path, files: dict[str, str], top: str | None = "demo-1.0") -> Path:
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"{top}/{name}" if top else name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def _demo_manifest(root: Path, archive: Path, sha256: str) -> None:
+    (root / "third_party" / "demo.toml").write_text(f'''
+name = "demo"
+version = "1.0"
+license = "MIT"
+upstream_url = "https://example.invalid/demo-1.0.tar.gz"
+[identity]
+version_file = "VERSION"
+version_regex = '^1\\.0$'
+[[providers]]
+kind = "url"
+url = "{archive.as_uri()}"
+file = "demo-1.0.tar.gz"
+sha256 = "{sha256}"
+strip_components = 1
+''')
+
+
+def test_manifests_pin_every_component(repo):
+    import tomllib
+    names = sorted(p.stem for p in (repo / "third_party").glob("*.toml"))
+    assert names == ["gloo", "nccl", "pytorch"]
+    for name in names:
+        m = tomllib.loads((repo / "third_party" / f"{name}.toml").read_text())
+        assert m["version"] and m["license"] and m["upstream_url"].startswith("https://")
+        assert m["providers"], name
+        for p in m["providers"]:
+            assert len(p["sha256"]) == 64 and int(p["sha256"], 16) >= 0
+
+
+def test_unknown_component_lists_the_known_ones(scratch_root):
+    proc = run_cli("hpct-build", "fetch", "glooo", "--root", str(scratch_root))
+    assert proc.returncode == 2
+    assert "unknown component 'glooo'" in proc.stderr
+    assert "choose one of: gloo, nccl, pytorch" in proc.stderr
+
+
+def test_unknown_version_names_the_pin(scratch_root):
+    proc = run_cli("hpct-build", "fetch", "gloo=deadbee", "--root", str(scratch_root))
+    assert proc.returncode == 2
+    assert "gloo version 'deadbee' is not pinned (pinned: 5354032)" in proc.stderr
+
+
+def test_wrong_sha256_deletes_archive_and_names_both_digests(scratch_root, tmp_path):
+    archive = _tarball(tmp_path / "demo.tar.gz", {"VERSION": "1.0"})
+    actual = hashlib.sha256(archive.read_bytes()).hexdigest()
+    expected = "0" * 64
+    _demo_manifest(scratch_root, archive, expected)
+    proc = run_cli("hpct-build", "fetch", "demo", "--root", str(scratch_root))
+    assert proc.returncode == 4, proc.stderr
+    assert f"expected {expected}, got {actual}" in proc.stderr
+    assert "the archive has been deleted" in proc.stderr
+    assert not (scratch_root / "third_party" / "cache" / "demo-1.0.tar.gz").exists()
+    assert not (scratch_root / "third_party" / "src" / "demo-1.0").exists()
+
+
+def test_url_provider_verifies_unpacks_and_is_idempotent(scratch_root, tmp_path):
+    archive = _tarball(tmp_path / "demo.tar.gz", {"VERSION": "1.0", "src/a.c": "int a;"})
+    _demo_manifest(scratch_root, archive, hashlib.sha256(archive.read_bytes()).hexdigest())
+    first = run_cli("hpct-build", "fetch", "demo", "--root", str(scratch_root))
+    assert first.returncode == 0, first.stderr
+    tree = scratch_root / "third_party" / "src" / "demo-1.0"
+    assert (tree / "src" / "a.c").read_text() == "int a;"
+    second = run_cli("hpct-build", "fetch", "demo", "--root", str(scratch_root))
+    assert second.returncode == 0 and "already fetched" in second.stderr
+
+
+def test_no_deb_src_and_no_network_says_how_to_fix(scratch_root, tmp_path):
+    # An apt configuration with no sources at all stands for a machine without deb-src.
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "lists" / "partial").mkdir(parents=True)
+    conf = tmp_path / "apt.conf"
+    conf.write_text(f'Dir::Etc::SourceList "/dev/null";\nDir::Etc::SourceParts "{tmp_path}/parts";\n'
+                    f'Dir::State::Lists "{tmp_path}/lists";\n')
+    proc = run_cli("hpct-build", "fetch", "gloo", "--root", str(scratch_root),
+                   env={"APT_CONFIG": str(conf)}, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert "no deb-src entry lets apt find gloo=0.0~git20231202.5354032-3" in proc.stderr
+    assert "ci/setup.sh" in proc.stderr and "--source" in proc.stderr
+    assert not (scratch_root / GLOO_DIR).exists()
+
+
+def test_nccl_without_provider_fails_fast_naming_url_and_variable(scratch_root):
+    # A proxy on a closed port stands for "no network" even where GitHub is reachable.
+    closed = "http://127.0.0.1:9"
+    proc = run_cli("hpct-build", "fetch", "nccl", "--root", str(scratch_root),
+                   env={"https_proxy": closed, "http_proxy": closed, "HTTPS_PROXY": closed}, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    assert "https://github.com/NVIDIA/nccl/archive/refs/tags/v2.21.5-1.tar.gz" in proc.stderr
+    assert "--source PATH or HPCT_NCCL_SOURCE=PATH" in proc.stderr
+
+
+def _nccl_tree(root: Path, minor: int) -> Path:
+    (root / "makefiles").mkdir(parents=True)
+    (root / "makefiles" / "version.mk").write_text(
+        f"NCCL_MAJOR   := 2\nNCCL_MINOR   := {minor}\nNCCL_PATCH   := 5\nNCCL_SUFFIX  :=\n")
+    return root
+
+
+def test_nccl_source_tree_of_the_pinned_version_is_accepted(scratch_root, tmp_path):
+    tree = _nccl_tree(tmp_path / "nccl", 21)
+    proc = run_cli("hpct-build", "fetch", "nccl", "--source", str(tree), "--root", str(scratch_root))
+    assert proc.returncode == 0, proc.stderr
+    assert (scratch_root / "third_party/src/nccl-2.21.5/makefiles/version.mk").is_file()
+
+
+def test_nccl_source_from_environment_of_wrong_version_is_rejected(scratch_root, tmp_path):
+    tree = _nccl_tree(tmp_path / "nccl", 20)
+    proc = run_cli("hpct-build", "fetch", "nccl", "--root", str(scratch_root),
+                   env={"HPCT_NCCL_SOURCE": str(tree)})
+    assert proc.returncode == 3
+    assert f"{tree} is not nccl 2.21.5 (makefiles/version.mk: NCCL_MAJOR   := 2)" in proc.stderr
+    assert not (scratch_root / "third_party/src/nccl-2.21.5").exists()
+
+
+def test_gloo_source_tree_that_differs_from_the_pin_is_rejected(seeded_root, tmp_path, gloo_archive):
+    tree = tmp_path / "gloo"
+    tree.mkdir()
+    with tarfile.open(gloo_archive) as tar:
+        tar.extractall(tree, filter="data")
+    (tree / "gloo" / "context.cc").write_text("// not the pinned file\n")
+    proc = run_cli("hpct-build", "fetch", "gloo", "--source", str(tree), "--root", str(seeded_root))
+    assert proc.returncode == 3
+    assert f"{tree} is not gloo 5354032: its tree digest is" in proc.stderr
+    assert "the pin is 00ded672" in proc.stderr
+
+
+def test_gloo_source_tarball_of_the_pin_is_accepted(scratch_root, gloo_archive):
+    proc = run_cli("hpct-build", "fetch", "gloo", "--source", str(gloo_archive), "--root", str(scratch_root))
+    assert proc.returncode == 0, proc.stderr
+    assert (scratch_root / GLOO_DIR / "gloo" / "context.cc").is_file()
+
+
+def test_interrupted_unpack_leaves_no_half_tree(scratch_root, gloo_archive, tmp_path):
+    truncated = tmp_path / "gloo-truncated.tar.xz"
+    truncated.write_bytes(gloo_archive.read_bytes()[: gloo_archive.stat().st_size // 2])
+    proc = run_cli("hpct-build", "fetch", "gloo", "--source", str(truncated), "--root", str(scratch_root))
+    assert proc.returncode == 3
+    assert "is not a readable tarball" in proc.stderr
+    src = scratch_root / "third_party" / "src"
+    assert not (src / "gloo-5354032").exists()
+    assert not src.exists() or not any(src.iterdir())
+
+
+def test_debian_provider_fetches_gloo_through_apt(scratch_root):
+    # The real path of the main job: apt-get source with the project's deb-src entry.
+    if not any("deb-src" in p.read_text() for p in Path("/etc/apt/sources.list.d").glob("*")):
+        pytest.fail("no deb-src entry configured: ci/setup.sh must add it before the tests run")
+    proc = run_cli("hpct-build", "fetch", "gloo", "--root", str(scratch_root), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    stamp = (scratch_root / GLOO_DIR / ".hpct-source.json").read_text()
+    assert '"provider": "debian"' in stamp
+    assert "66d6fadb7b07cfcff08f74ae2acfab504e780d6b7536ee74d2011718cda25030" in stamp
