@@ -10,7 +10,7 @@ SUDO=""
 
 APT_PACKAGES=(cmake ninja-build g++ patch git libgtest-dev libssl-dev iproute2 procps binutils)
 TORCH_VERSION=2.13.0          # the local CPU wheel; never let pip resolve an unpinned torch
-NCCL_WHEEL=nvidia-nccl-cu12==2.21.5   # the NCCL PyTorch 2.6.0 pins; doctor's tests load it
+NCCL_PIN=2.21.5                # the NCCL PyTorch 2.6.0 pins; doctor's tests load its libnccl.so.2
 
 deb_src=/etc/apt/sources.list.d/hpct-deb-src.sources
 if ! grep -rqs '^Types:.*deb-src\|^deb-src ' /etc/apt/sources.list /etc/apt/sources.list.d/; then
@@ -37,5 +37,9 @@ fi
 PY=${PYTHON:-python3}
 have() { "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('$1') != '$2')" 2>/dev/null; }
 have torch "${TORCH_VERSION}+cpu" || have torch "$TORCH_VERSION" || "$PY" -m pip install -q "torch==$TORCH_VERSION"
-"$PY" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "pytest>=7" "$NCCL_WHEEL"
+"$PY" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "pytest>=7"
+# Downloaded, not installed: a CPU torch must not pick it up; the tests unpack its library.
+cache="${XDG_CACHE_HOME:-$HOME/.cache}/hpct"
+ls "$cache"/nvidia_nccl_cu12-"$NCCL_PIN"-*.whl >/dev/null 2>&1 \
+  || "$PY" -m pip download -q --no-deps "nvidia-nccl-cu12==$NCCL_PIN" -d "$cache"
 echo "ci/setup.sh: ready ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"

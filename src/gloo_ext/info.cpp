@@ -5,6 +5,9 @@
 #include <cstdint>
 #include <sstream>
 #include <string>
+#include <vector>
+
+#include <pybind11/stl.h>
 
 #include "bindings.h"
 #include "gloo/config.h"
@@ -39,6 +42,14 @@ std::string object_of(std::uintptr_t addr) {
 void bind_info(pybind11::module_& m) {
   m.def("series_id", [] { return std::string(HPCT_GLOO_SERIES_ID); },
         "Identity (sha256 prefix) of the Gloo patch series compiled into this module.");
+  m.def("gloo_series", [] {
+    std::vector<std::string> names;
+    std::istringstream in(HPCT_GLOO_PATCHES);
+    for (std::string name; std::getline(in, name, ',');) {
+      if (!name.empty()) names.push_back(name);
+    }
+    return names;
+  }, "The patch files of the series, in the order they were applied.");
   m.def("gloo_version", [] {
     std::ostringstream out;
     out << GLOO_VERSION_MAJOR << "." << GLOO_VERSION_MINOR << "." << GLOO_VERSION_PATCH;

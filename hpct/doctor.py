@@ -1,0 +1,366 @@
+"""The checks behind ``hpct doctor``: is this the patched build, and is this node ready?
+
+Each check returns ``Row``s and never raises: an unexpected error becomes a
+failing row, so one broken component cannot hide the state of the others.
+Everything a check looks at comes through ``Probe`` (environment, /proc/sys
+root, module importer, library search path), which is what the tests replace.
+
+Status meanings: ``ok``; ``fail`` (a required check: doctor exits non-zero);
+``warn`` (works, but a feature is unavailable); ``info`` (a fact, e.g. stock
+PyTorch); ``skip`` (could not run because an earlier row failed).
+
+Decision on the NCCL row: a libnccl without ``ncclCommInitRankRootless`` is a
+*warning*, because stock PyTorch and hpct's Gloo backend never call it.  It is a
+*failure* only when the run would call it: ``HPCT_USE_ROOTLESS=1`` with a
+PyTorch that carries hpct's c10d patches and has NCCL.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+TORCH_PIN = "2.6.0"                     # DESIGN.md's PyTorch pin
+NCCL_PIN = "2.21.5"                     # what PyTorch 2.6.0 pins
+ROOTLESS_SYMBOL = "ncclCommInitRankRootless"
+SERIES_FILE = Path(__file__).with_name("_series.json")
+PROBE_TIMEOUT_S = 30.0
+
+_BUILD_FIX = "run hpct-build wheel, then pip install the wheel it prints"
+
+
+@dataclass
+class Row:
+    check: str
+    status: str                         # ok | fail | warn | info | skip
+    detail: str
+    fix: str | None = None
+
+
+@dataclass
+class Probe:
+    """What the checks look at; defaults are the live process and node."""
+
+    env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    proc_sys: str = "/proc/sys"
+    import_module: Callable[[str], object] = importlib.import_module
+    series_file: Path = SERIES_FILE
+    sys_path: Sequence[str] = field(default_factory=lambda: list(sys.path))
+    nccl_paths: Sequence[str] | None = None     # fixed candidates instead of the search
+    use_ldconfig: bool = True
+    bind_host: str = "0.0.0.0"
+
+
+def expected_series_id(path: Path | None = None) -> str | None:
+    """The Gloo series id this package was built for (``hpct/_series.json``'s "series_id").
+
+    None when the file is absent (a source checkout): "unknown", not a failure.
+    A file that exists but cannot be read is an error (ValueError).
+    """
+    path = SERIES_FILE if path is None else Path(path)
+    if not path.exists():
+        return None
+    try:
+        value = json.loads(path.read_text())["series_id"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path} is unreadable or has no \"series_id\": {err}") from None
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{path}: \"series_id\" must be a non-empty string")
+    return value
+
+
+def check_python() -> Row:
+    v = sys.version_info
+    text = f"{v.major}.{v.minor}.{v.micro} ({sys.executable})"
+    if v < (3, 10):
+        return Row("python", "fail", text, "use Python 3.10 or newer")
+    return Row("python", "ok", text)
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    nums = []
+    for part in text.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
+        nums.append(int(digits or 0))
+    return tuple(nums)
+
+
+def check_torch(probe: Probe) -> tuple[Row, object | None]:
+    fix = f"pip install torch=={TORCH_PIN}"
+    try:
+        torch = probe.import_module("torch")
+    except ImportError as err:
+        return Row("pytorch", "fail", f"not importable ({err})", fix), None
+    except Exception as err:    # a broken install raises OSError, RuntimeError, ...
+        return Row("pytorch", "fail", f"import failed: {type(err).__name__}: {err}", fix), None
+    version = str(getattr(torch, "__version__", "?"))
+    if _version_tuple(version) < _version_tuple(TORCH_PIN):
+        return Row("pytorch", "fail", f"{version} is older than {TORCH_PIN}", fix), torch
+    cuda = getattr(getattr(torch, "version", None), "cuda", None)
+    return Row("pytorch", "ok", f"{version} ({'CUDA ' + cuda if cuda else 'CPU-only'})"), torch
+
+
+def _patch_names(ext, series_file: Path) -> tuple[list[str], str]:
+    """The extension's own list when it has one, else the list the build recorded beside it."""
+    if hasattr(ext, "gloo_series"):
+        return [str(n) for n in ext.gloo_series()], "compiled in"
+    try:
+        names = json.loads(series_file.read_text()).get("patches", [])
+        return [str(n) for n in names], f"from {series_file.name}"
+    except (OSError, ValueError, AttributeError):
+        return [], "not recorded"
+
+
+def check_extension(probe: Probe) -> list[Row]:
+    try:
+        ext = probe.import_module("hpct._gloo")
+        series_id = str(ext.series_id())
+        names, source = _patch_names(ext, probe.series_file)
+    except Exception as err:    # ImportError, or a module that lacks the series functions
+        return [Row("hpct extension", "fail", f"hpct._gloo does not load ({type(err).__name__}: {err})",
+                    _BUILD_FIX),
+                Row("gloo series", "skip", "the extension is not loaded")]
+    listed = f" ({', '.join(names)})" if names else ""
+    rows = [Row("hpct extension", "ok", f"{getattr(ext, '__file__', 'hpct._gloo')}: Gloo series {series_id}, "
+                                        f"{len(names)} patches {source}{listed}")]
+    try:
+        expected = expected_series_id(probe.series_file)
+    except ValueError as err:
+        return rows + [Row("gloo series", "fail", str(err), f"reinstall hpct ({_BUILD_FIX})")]
+    if expected is None:
+        rows.append(Row("gloo series", "info", f"{series_id}; expected series unknown (no {probe.series_file.name})"))
+    elif expected != series_id:
+        rows.append(Row("gloo series", "fail",
+                        f"the extension carries {series_id} but this package expects {expected}",
+                        f"the extension and the Python files come from different builds: {_BUILD_FIX}"))
+    else:
+        rows.append(Row("gloo series", "ok", f"{series_id} (as expected)"))
+    return rows
+
+
+def check_torch_backends(probe: Probe, torch) -> Row:
+    if torch is None:
+        return Row("torch backends", "skip", "PyTorch is not importable")
+    try:
+        dist = probe.import_module("torch.distributed")
+        if not dist.is_available():
+            return Row("torch backends", "fail", "torch.distributed is not available in this build",
+                       f"install a PyTorch build with distributed support: pip install torch=={TORCH_PIN}")
+        gloo, nccl = bool(dist.is_gloo_available()), bool(dist.is_nccl_available())
+    except Exception as err:
+        return Row("torch backends", "fail", f"{type(err).__name__}: {err}", f"pip install torch=={TORCH_PIN}")
+    detail = f"gloo {'yes' if gloo else 'no'}, nccl {'yes' if nccl else 'no'}"
+    if not gloo:
+        return Row("torch backends", "fail", detail, f"install a PyTorch build with Gloo: pip install torch=={TORCH_PIN}")
+    return Row("torch backends", "ok", detail)
+
+
+def torch_is_patched(torch) -> bool:
+    """hpct's PyTorch builds carry "hpct" in the local version (e.g. 2.6.0+hpct.<series>)."""
+    version = str(getattr(torch, "__version__", ""))
+    return "hpct" in version.partition("+")[2]
+
+
+def check_c10d_patches(torch) -> Row:
+    if torch is None:
+        return Row("c10d patches", "skip", "PyTorch is not importable")
+    if torch_is_patched(torch):
+        return Row("c10d patches", "ok", f"{torch.__version__} carries hpct's c10d patches")
+    return Row("c10d patches", "info",
+               f"stock PyTorch {torch.__version__}: rootless start-up goes through hpct's own backend")
+
+
+# The probe runs in a child process: a broken or foreign libnccl can crash or hang
+# its loader, and loading it here would also pin that SONAME for a later torch import.
+_NCCL_PROBE = r"""
+import ctypes, json, sys
+lib = ctypes.CDLL(sys.argv[1])
+v = ctypes.c_int(0)
+rc = lib.ncclGetVersion(ctypes.byref(v))
+print(json.dumps({"rc": rc, "code": v.value, "rootless": hasattr(lib, sys.argv[2])}))
+"""
+
+
+def find_libnccl(probe: Probe) -> list[tuple[str, str]]:
+    """Candidate libnccl.so.2 files, first = the one PyTorch would load, without importing CUDA.
+
+    Order: a copy inside torch/lib (source builds bundle it); the nvidia-nccl-cu12
+    wheel in site-packages (pip PyTorch's libtorch_cuda.so finds it through its RPATH
+    $ORIGIN/../../nvidia/nccl/lib); LD_LIBRARY_PATH; the ldconfig cache.
+    """
+    if probe.nccl_paths is not None:
+        return [(p, "given") for p in probe.nccl_paths]
+    found: list[tuple[str, str]] = []
+
+    def add(path: Path, how: str) -> None:
+        if path.is_file() and str(path) not in (f for f, _ in found):
+            found.append((str(path), how))
+
+    for entry in probe.sys_path:
+        base = Path(entry or ".")
+        add(base / "torch" / "lib" / "libnccl.so.2", "torch/lib")
+    for entry in probe.sys_path:
+        add(Path(entry or ".") / "nvidia" / "nccl" / "lib" / "libnccl.so.2", "nvidia-nccl wheel")
+    for entry in probe.env.get("LD_LIBRARY_PATH", "").split(":"):
+        if entry:
+            add(Path(entry) / "libnccl.so.2", "LD_LIBRARY_PATH")
+    if probe.use_ldconfig:
+        try:
+            out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        for line in out.splitlines():
+            if line.strip().startswith("libnccl.so.2") and "=>" in line:
+                add(Path(line.split("=>", 1)[1].strip()), "ldconfig")
+    return found
+
+
+def probe_libnccl(path: str, timeout: float = PROBE_TIMEOUT_S) -> dict:
+    """Load ``path`` in a child and return {"rc", "code", "rootless"}; raises RuntimeError."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _NCCL_PROBE, path, ROOTLESS_SYMBOL],
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"loading {path} did not finish within {timeout:g} s") from None
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise RuntimeError(f"loading {path} failed: {tail}")
+    try:
+        return json.loads(done.stdout)
+    except ValueError:
+        raise RuntimeError(f"loading {path} printed {done.stdout.strip()[:200]!r}") from None
+
+
+def nccl_version_text(code: int) -> str:
+    """NCCL >= 2.9 encodes major*10000 + minor*100 + patch (22105 -> 2.21.5)."""
+    if code >= 10000:
+        return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
+    return f"{code // 1000}.{code % 1000 // 100}.{code % 100}"
+
+
+def check_nccl(probe: Probe, torch, config) -> Row:
+    cuda = torch is not None and getattr(getattr(torch, "version", None), "cuda", None) is not None
+    needs_rootless = bool(config is not None and config.use_rootless and torch is not None
+                          and torch_is_patched(torch) and cuda)
+    install = f"pip install --no-deps nvidia-nccl-cu12=={NCCL_PIN}"
+    candidates = find_libnccl(probe)
+    if not candidates:
+        if cuda:
+            return Row("libnccl", "fail", "no libnccl.so.2 found (torch/lib, nvidia wheel, "
+                       "LD_LIBRARY_PATH, ldconfig)", install)
+        return Row("libnccl", "info", "none found; a CPU-only PyTorch does not need one")
+    path, how = candidates[0]
+    try:
+        result = probe_libnccl(path)
+    except RuntimeError as err:
+        return Row("libnccl", "fail" if cuda else "warn", str(err), f"reinstall it: {install}")
+    if result["rc"] != 0:
+        return Row("libnccl", "fail" if cuda else "warn",
+                   f"{path}: ncclGetVersion returned error {result['rc']}", f"reinstall it: {install}")
+    detail = f"{path} ({how}): NCCL {nccl_version_text(result['code'])} ({result['code']})"
+    if result["rootless"]:
+        return Row("libnccl", "ok", f"{detail}, exports {ROOTLESS_SYMBOL}")
+    detail += f", stock: no {ROOTLESS_SYMBOL}"
+    fix = "build and install hpct's patched NCCL (hpct-build nccl) and put it first on the search path"
+    if needs_rootless:
+        return Row("libnccl", "fail", detail + " (required: HPCT_USE_ROOTLESS=1 with hpct's PyTorch)", fix)
+    return Row("libnccl", "warn", detail + " (rootless NCCL start-up unavailable)", fix)
+
+
+def check_config(probe: Probe) -> tuple[Row, object | None]:
+    from .config import Config
+    from .errors import ConfigError
+    try:
+        config = Config.from_mapping(probe.env)
+    except ConfigError as err:
+        return Row("configuration", "fail", err.problem, err.fix), None
+    text = (f"rootless {'on' if config.use_rootless else 'off'}, {len(config.hosts)} host(s) x "
+            f"{config.nproc_per_node} process(es), {config.port_slots} slots, gloo block "
+            f"{config.blocks['gloo'].start}-{config.blocks['gloo'].stop - 1}, nccl block "
+            f"{config.blocks['nccl'].start}-{config.blocks['nccl'].stop - 1}")
+    return Row("configuration", "ok", text), config
+
+
+def check_kernel_ports(probe: Probe, plan) -> Row:
+    from .errors import SysctlError
+    from .ports import check_plan
+    from .sysctl import Sysctl
+    try:
+        sysctl = Sysctl(probe.proc_sys)
+        low, high = sysctl.port_range()
+        problems = check_plan(plan, (low, high), sysctl.reserved_ports())
+    except SysctlError as err:
+        return Row("kernel port ranges", "fail", err.problem, err.fix)
+    if problems:
+        return Row("kernel port ranges", "fail", "; ".join(p.message for p in problems), problems[0].fix)
+    return Row("kernel port ranges", "ok", f"ephemeral range {low}-{high}; every block port is safe")
+
+
+def busy_ports(ports: Sequence[int], host: str = "0.0.0.0") -> dict[int, str]:
+    """Ports that cannot be bound now, with the reason; binds like Gloo's listener (SO_REUSEADDR)."""
+    import socket
+    busy = {}
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as err:
+                busy[port] = err.strerror or str(err)
+    return busy
+
+
+def check_free_ports(probe: Probe, config, plan) -> Row:
+    local = [config.local_rank] if config.local_rank is not None else range(config.nproc_per_node)
+    ports = sorted({p for b, _ in plan.bases for l in local for p in plan.local_ports(b, l)})
+    who = f"local rank {config.local_rank}" if config.local_rank is not None else "all local ranks"
+    busy = busy_ports(ports, probe.bind_host)
+    if not busy:
+        return Row("free ports", "ok", f"{len(ports)} ports of {who} are free")
+    first = min(busy)
+    from .ports import compress
+    return Row("free ports", "fail", f"in use: {compress(busy)} ({busy[first]}) of {who}",
+               f"find the owner with `ss -ltnp 'sport = :{first}'` and stop it, or move the blocks "
+               f"with HPCT_PORT_BASE")
+
+
+def run_checks(probe: Probe | None = None) -> list[Row]:
+    from .ports import PortPlan
+    probe = Probe() if probe is None else probe
+    torch_row, torch = check_torch(probe)
+    config_row, config = check_config(probe)
+    rows = [check_python(), torch_row, *check_extension(probe), check_torch_backends(probe, torch),
+            check_c10d_patches(torch), check_nccl(probe, torch, config), config_row]
+    if config is None:
+        rows += [Row("kernel port ranges", "skip", "the configuration is invalid"),
+                 Row("free ports", "skip", "the configuration is invalid")]
+    else:
+        plan = PortPlan.from_config(config)
+        rows += [check_kernel_ports(probe, plan), check_free_ports(probe, config, plan)]
+    return rows
+
+
+def failures(rows: Sequence[Row]) -> list[Row]:
+    return [r for r in rows if r.status == "fail"]
+
+
+def render_table(rows: Sequence[Row]) -> str:
+    width = max(len(r.check) for r in rows)
+    lines = [f"{'STATUS':6}  {'CHECK':{width}}  DETAIL"]
+    for r in rows:
+        lines.append(f"{r.status.upper() if r.status == 'fail' else r.status:6}  {r.check:{width}}  {r.detail}")
+        if r.fix and r.status in ("fail", "warn"):
+            lines.append(f"{'':6}  {'':{width}}  fix: {r.fix}")
+    bad = failures(rows)
+    lines.append(f"{len(bad)} required check(s) failed" if bad else "all required checks passed")
+    return "\n".join(lines)
+
+
+def as_json(rows: Sequence[Row]) -> dict:
+    return {"ok": not failures(rows), "checks": [asdict(r) for r in rows]}

@@ -1,0 +1,441 @@
+"""hpct doctor: a good node, then each failing row with its fix.
+
+PyTorch and the extension are replaced by small fakes through ``Probe.import_module``
+(so the rows can be driven into every state); the NCCL rows use the real
+``nvidia-nccl-cu12==2.21.5`` library, obtained once into ~/.cache/hpct.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import types
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from hpct import doctor
+from hpct.cli import main
+from hpct.doctor import Probe, Row, check_nccl, find_libnccl, run_checks
+from util import run_cli
+
+NCCL_PIN = "2.21.5"
+FETCH = f"{sys.executable} -m pip download --no-deps nvidia-nccl-cu12=={NCCL_PIN} -d ~/.cache/hpct"
+
+
+# ---------------------------------------------------------------- fakes and fixtures
+
+def fake_torch(version="2.6.0+hpct.s1", cuda="12.4", dist=True, gloo=True, nccl=True):
+    distributed = types.SimpleNamespace(is_available=lambda: dist, is_gloo_available=lambda: gloo,
+                                        is_nccl_available=lambda: nccl)
+    torch = types.SimpleNamespace(__version__=version, version=types.SimpleNamespace(cuda=cuda),
+                                  distributed=distributed)
+    return torch
+
+
+def fake_ext(series="s1", names=("0001-fixed-listen-port", "0002-storeless-connect")):
+    return types.SimpleNamespace(__file__="/x/hpct/_gloo.so", series_id=lambda: series,
+                                 gloo_series=lambda: list(names))
+
+
+def importer(**modules):
+    """An import_module replacement: torch=..., ext=...; a value that is an exception is raised."""
+    table = {}
+    if "torch" in modules:
+        table["torch"] = modules["torch"]
+        table["torch.distributed"] = getattr(modules["torch"], "distributed", modules["torch"])
+    if "ext" in modules:
+        table["hpct._gloo"] = modules["ext"]
+
+    def import_module(name):
+        value = table.get(name)
+        if value is None:
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        if isinstance(value, BaseException):
+            raise value
+        return value
+    return import_module
+
+
+def _c_library(tmp_path: Path, name: str, source: str) -> str:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler (cc) to build a stand-in libnccl")
+    (tmp_path / f"{name}.c").write_text(source)
+    out = tmp_path / f"{name}.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(out), str(tmp_path / f"{name}.c")],
+                   check=True, timeout=60, capture_output=True)
+    return str(out)
+
+
+@pytest.fixture
+def rootless_nccl(tmp_path) -> str:
+    """A stand-in for hpct's patched libnccl: ncclGetVersion plus the rootless entry point."""
+    return _c_library(tmp_path, "libnccl_rootless",
+                      "int ncclGetVersion(int *v) { *v = 22105; return 0; }\n"
+                      "int ncclCommInitRankRootless(void) { return 0; }\n")
+
+
+@pytest.fixture(scope="session")
+def real_nccl() -> str:
+    """libnccl.so.2 from the real nvidia-nccl-cu12==2.21.5 wheel (fetched once into the cache)."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hpct"
+    lib = cache / f"nccl-{NCCL_PIN}" / "nvidia" / "nccl" / "lib" / "libnccl.so.2"
+    if lib.is_file():
+        return str(lib)
+    wheels = glob.glob(str(cache / f"nvidia_nccl_cu12-{NCCL_PIN}-*.whl"))
+    if not wheels:
+        cache.mkdir(parents=True, exist_ok=True)
+        try:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
+                            f"nvidia-nccl-cu12=={NCCL_PIN}", "-d", str(cache)],
+                           check=True, timeout=600, capture_output=True)
+        except (subprocess.SubprocessError, OSError) as err:
+            pytest.skip(f"nvidia-nccl-cu12=={NCCL_PIN} cannot be obtained ({type(err).__name__}); "
+                        f"fetch it with: {FETCH}")
+        wheels = glob.glob(str(cache / f"nvidia_nccl_cu12-{NCCL_PIN}-*.whl"))
+    with zipfile.ZipFile(wheels[0]) as whl:
+        whl.extract("nvidia/nccl/lib/libnccl.so.2", cache / f"nccl-{NCCL_PIN}")
+    return str(lib)
+
+
+@pytest.fixture
+def proc_sys(tmp_path) -> str:
+    """A fake /proc/sys after `hpct ports apply`: floor 20000, nothing reserved."""
+    ipv4 = tmp_path / "proc" / "net" / "ipv4"
+    ipv4.mkdir(parents=True)
+    (ipv4 / "ip_local_port_range").write_text("20000\t60999\n")
+    (ipv4 / "ip_local_reserved_ports").write_text("\n")
+    return str(tmp_path / "proc")
+
+
+@pytest.fixture(scope="session")
+def free_base() -> int:
+    """A port base whose 16 default-plan ports are free on this machine right now."""
+    for base in range(12000, 19000, 160):
+        if not doctor.busy_ports(range(base, base + 16)):
+            return base
+    pytest.skip("no free block of 16 ports below 19000")
+
+
+@pytest.fixture
+def good(tmp_path, proc_sys, free_base, rootless_nccl) -> Probe:
+    """Everything right: patched CUDA PyTorch, matching extension, rootless NCCL, safe ports."""
+    series = tmp_path / "_series.json"
+    series.write_text(json.dumps({"series_id": "s1"}))
+    return Probe(env={"HPCT_USE_ROOTLESS": "1", "HPCT_PORT_BASE": str(free_base)}, proc_sys=proc_sys,
+                 import_module=importer(torch=fake_torch(), ext=fake_ext()), series_file=series,
+                 nccl_paths=[rootless_nccl], use_ldconfig=False)
+
+
+def rows_by_name(rows):
+    return {r.check: r for r in rows}
+
+
+def with_(probe: Probe, **changes) -> Probe:
+    import dataclasses
+    return dataclasses.replace(probe, **changes)
+
+
+# ---------------------------------------------------------------- the good node
+
+@pytest.mark.unit
+def test_good_node_passes_every_row(good):
+    rows = run_checks(good)
+    assert [r.check for r in rows] == ["python", "pytorch", "hpct extension", "gloo series", "torch backends",
+                                      "c10d patches", "libnccl", "configuration", "kernel port ranges",
+                                      "free ports"]
+    assert {r.check: r.status for r in rows} == {r.check: "ok" for r in rows}, doctor.render_table(rows)
+    by = rows_by_name(rows)
+    assert by["pytorch"].detail == "2.6.0+hpct.s1 (CUDA 12.4)"
+    assert by["hpct extension"].detail.endswith(
+        "Gloo series s1, 2 patches compiled in (0001-fixed-listen-port, 0002-storeless-connect)")
+    assert by["libnccl"].detail.endswith("NCCL 2.21.5 (22105), exports ncclCommInitRankRootless")
+    assert by["free ports"].detail == "16 ports of all local ranks are free"
+    assert doctor.failures(rows) == []
+    assert doctor.render_table(rows).splitlines()[-1] == "all required checks passed"
+
+
+# ---------------------------------------------------------------- each failing row
+
+@pytest.mark.unit
+def test_old_python_fails(monkeypatch):
+    class Version(tuple):
+        major, minor, micro = 3, 9, 18
+    monkeypatch.setattr(sys, "version_info", Version((3, 9, 18, "final", 0)))
+    row = doctor.check_python()
+    assert (row.status, row.fix) == ("fail", "use Python 3.10 or newer")
+
+
+@pytest.mark.unit
+def test_missing_torch_fails_with_pip_fix(good):
+    rows = rows_by_name(run_checks(with_(good, import_module=importer(ext=fake_ext()))))
+    assert rows["pytorch"].status == "fail"
+    assert rows["pytorch"].detail == "not importable (No module named 'torch')"
+    assert rows["pytorch"].fix == "pip install torch==2.6.0"
+    assert rows["torch backends"].status == rows["c10d patches"].status == "skip"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("torch,detail", [
+    (fake_torch(version="2.5.1+cu124"), "2.5.1+cu124 is older than 2.6.0"),
+    (OSError("libcudart.so.12: cannot open shared object file"),
+     "import failed: OSError: libcudart.so.12: cannot open shared object file"),
+])
+def test_bad_torch_fails(good, torch, detail):
+    row = rows_by_name(run_checks(with_(good, import_module=importer(torch=torch, ext=fake_ext()))))["pytorch"]
+    assert (row.status, row.detail, row.fix) == ("fail", detail, "pip install torch==2.6.0")
+
+
+@pytest.mark.unit
+def test_missing_extension_fails(good):
+    rows = rows_by_name(run_checks(with_(good, import_module=importer(torch=fake_torch()))))
+    assert rows["hpct extension"].status == "fail"
+    assert rows["hpct extension"].detail == \
+        "hpct._gloo does not load (ModuleNotFoundError: No module named 'hpct._gloo')"
+    assert rows["hpct extension"].fix.startswith("run hpct-build wheel")
+    assert rows["gloo series"].status == "skip"
+
+
+@pytest.mark.unit
+def test_patch_names_from_the_build_record(good):
+    ext = types.SimpleNamespace(__file__="/x/hpct/_gloo.so", series_id=lambda: "s1")   # no gloo_series()
+    good.series_file.write_text(json.dumps({"series_id": "s1", "patches": ["0001-a.patch", "0002-b.patch"]}))
+    rows = rows_by_name(run_checks(with_(good, import_module=importer(torch=fake_torch(), ext=ext))))
+    assert rows["hpct extension"].detail == \
+        "/x/hpct/_gloo.so: Gloo series s1, 2 patches from _series.json (0001-a.patch, 0002-b.patch)"
+    assert rows["gloo series"].status == "ok"
+
+
+@pytest.mark.unit
+def test_extension_without_series_id_fails(good):
+    ext = types.SimpleNamespace(__file__="/x/hpct/_gloo.so")
+    row = rows_by_name(run_checks(with_(good, import_module=importer(torch=fake_torch(), ext=ext))))["hpct extension"]
+    assert row.status == "fail" and "AttributeError" in row.detail
+
+
+@pytest.mark.unit
+def test_series_mismatch_fails(good):
+    rows = rows_by_name(run_checks(with_(good, import_module=importer(torch=fake_torch(), ext=fake_ext("s0")))))
+    row = rows["gloo series"]
+    assert (row.status, row.detail) == ("fail", "the extension carries s0 but this package expects s1")
+    assert "hpct-build wheel" in row.fix
+
+
+@pytest.mark.unit
+def test_series_file_absent_is_unknown_not_a_failure(good, tmp_path):
+    row = rows_by_name(run_checks(with_(good, series_file=tmp_path / "none.json")))["gloo series"]
+    assert (row.status, row.detail) == ("info", "s1; expected series unknown (no none.json)")
+    assert doctor.expected_series_id(tmp_path / "none.json") is None
+
+
+@pytest.mark.unit
+def test_series_file_broken_fails(good, tmp_path):
+    broken = tmp_path / "_series.json"
+    broken.write_text("{not json")
+    row = rows_by_name(run_checks(with_(good, series_file=broken)))["gloo series"]
+    assert row.status == "fail" and "is unreadable or has no \"series_id\"" in row.detail
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("torch,detail", [
+    (fake_torch(dist=False), "torch.distributed is not available in this build"),
+    (fake_torch(gloo=False), "gloo no, nccl yes"),
+])
+def test_torch_backends_fail(good, torch, detail):
+    row = rows_by_name(run_checks(with_(good, import_module=importer(torch=torch, ext=fake_ext()))))["torch backends"]
+    assert (row.status, row.detail) == ("fail", detail)
+    assert "pip install torch==2.6.0" in row.fix
+
+
+@pytest.mark.unit
+def test_stock_torch_is_informational(good):
+    torch = fake_torch(version="2.6.0+cu124")
+    rows = rows_by_name(run_checks(with_(good, import_module=importer(torch=torch, ext=fake_ext()))))
+    assert rows["c10d patches"].status == "info"
+    assert rows["c10d patches"].detail == \
+        "stock PyTorch 2.6.0+cu124: rootless start-up goes through hpct's own backend"
+
+
+@pytest.mark.unit
+def test_invalid_configuration_fails_with_its_fix(good):
+    rows = rows_by_name(run_checks(with_(good, env={"HPCT_PORT_BSE": "1"})))
+    assert rows["configuration"].status == "fail"
+    assert rows["configuration"].detail == "unknown variable HPCT_PORT_BSE='1'"
+    assert rows["configuration"].fix.startswith("did you mean HPCT_PORT_BASE?")
+    assert rows["kernel port ranges"].status == rows["free ports"].status == "skip"
+
+
+@pytest.mark.unit
+def test_ports_in_the_ephemeral_range_fail(good, tmp_path):
+    (Path(good.proc_sys) / "net" / "ipv4" / "ip_local_port_range").write_text("10000\t60999\n")
+    row = rows_by_name(run_checks(good))["kernel port ranges"]
+    assert row.status == "fail"
+    assert "lie in the ephemeral range 10000-60999 and are not reserved" in row.detail
+    assert row.fix.startswith("run `hpct ports apply`")
+
+
+@pytest.mark.unit
+def test_unreadable_kernel_values_fail(good, tmp_path):
+    row = rows_by_name(run_checks(with_(good, proc_sys=str(tmp_path / "nothing"))))["kernel port ranges"]
+    assert row.status == "fail" and row.detail.startswith("cannot read net.ipv4.ip_local_port_range")
+
+
+@pytest.mark.unit
+def test_busy_port_fails(good):
+    base = int(good.env["HPCT_PORT_BASE"])
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", base + 9))       # nccl block, slot 1
+        holder.listen()
+        row = rows_by_name(run_checks(good))["free ports"]
+    assert row.status == "fail"
+    assert row.detail == f"in use: {base + 9} (Address already in use) of all local ranks"
+    assert f"ss -ltnp 'sport = :{base + 9}'" in row.fix
+
+
+@pytest.mark.unit
+def test_free_ports_of_one_local_rank(good):
+    env = {**good.env, "LOCAL_RANK": "1", "N_PROC_PER_NODE": "2"}
+    row = rows_by_name(run_checks(with_(good, env=env)))["free ports"]
+    assert row.detail == "16 ports of local rank 1 are free"
+
+
+# ---------------------------------------------------------------- the libnccl row
+
+@pytest.mark.unit
+def test_real_nccl_without_rootless_is_a_warning(good, real_nccl):
+    row = check_nccl(with_(good, nccl_paths=[real_nccl]), fake_torch(version="2.6.0+cu124"), None)
+    assert row.status == "warn"
+    assert row.detail == (f"{real_nccl} (given): NCCL 2.21.5 (22105), stock: no ncclCommInitRankRootless "
+                          "(rootless NCCL start-up unavailable)")
+
+
+@pytest.mark.unit
+def test_real_nccl_without_rootless_fails_when_required(good, real_nccl):
+    from hpct.config import Config
+    config = Config.from_mapping({"HPCT_USE_ROOTLESS": "1"})
+    row = check_nccl(with_(good, nccl_paths=[real_nccl]), fake_torch(), config)
+    assert row.status == "fail"
+    assert row.detail.endswith("(required: HPCT_USE_ROOTLESS=1 with hpct's PyTorch)")
+    assert "patched NCCL" in row.fix
+
+
+@pytest.mark.unit
+def test_nccl_search_order(tmp_path, real_nccl):
+    site, other, ld = tmp_path / "site", tmp_path / "other", tmp_path / "ld"
+    (site / "nvidia" / "nccl" / "lib").mkdir(parents=True)
+    os.symlink(real_nccl, site / "nvidia" / "nccl" / "lib" / "libnccl.so.2")
+    ld.mkdir()
+    (ld / "libnccl.so.2").write_bytes(b"")
+    probe = Probe(env={"LD_LIBRARY_PATH": f"{ld}:"}, sys_path=[str(other), str(site)], use_ldconfig=False)
+    assert find_libnccl(probe) == [(str(site / "nvidia/nccl/lib/libnccl.so.2"), "nvidia-nccl wheel"),
+                                   (str(ld / "libnccl.so.2"), "LD_LIBRARY_PATH")]
+    (other / "torch" / "lib").mkdir(parents=True)
+    (other / "torch" / "lib" / "libnccl.so.2").write_bytes(b"")
+    assert find_libnccl(probe)[0] == (str(other / "torch/lib/libnccl.so.2"), "torch/lib")
+    # End to end through the search: the wheel's library answers ncclGetVersion.
+    row = check_nccl(Probe(env={}, sys_path=[str(site)], use_ldconfig=False), fake_torch(), None)
+    assert "NCCL 2.21.5 (22105)" in row.detail and "(nvidia-nccl wheel)" in row.detail
+
+
+@pytest.mark.unit
+def test_nccl_missing(good):
+    probe = with_(good, nccl_paths=[])
+    cuda = check_nccl(probe, fake_torch(), None)
+    assert (cuda.status, cuda.fix) == ("fail", "pip install --no-deps nvidia-nccl-cu12==2.21.5")
+    cpu = check_nccl(probe, fake_torch(cuda=None), None)
+    assert (cpu.status, cpu.detail) == ("info", "none found; a CPU-only PyTorch does not need one")
+
+
+@pytest.mark.unit
+def test_nccl_that_does_not_load_or_errors(good, tmp_path):
+    junk = tmp_path / "libnccl.so.2"
+    junk.write_text("not an ELF file")
+    row = check_nccl(with_(good, nccl_paths=[str(junk)]), fake_torch(), None)
+    assert row.status == "fail" and row.detail.startswith(f"loading {junk} failed: OSError")
+    erring = _c_library(tmp_path, "libnccl_err", "int ncclGetVersion(int *v) { return 3; }\n")
+    row = check_nccl(with_(good, nccl_paths=[erring]), fake_torch(), None)
+    assert (row.status, row.detail) == ("fail", f"{erring}: ncclGetVersion returned error 3")
+    assert check_nccl(with_(good, nccl_paths=[erring]), fake_torch(cuda=None), None).status == "warn"
+
+
+@pytest.mark.unit
+def test_nccl_version_text():
+    assert doctor.nccl_version_text(22105) == "2.21.5"
+    assert doctor.nccl_version_text(2804) == "2.8.4"
+
+
+# ---------------------------------------------------------------- output and the CLI
+
+@pytest.mark.unit
+def test_table_and_exit_code(monkeypatch, capsys):
+    rows = [Row("python", "ok", "3.11"), Row("hpct extension", "fail", "missing", "run hpct-build wheel"),
+            Row("libnccl", "warn", "stock", "build it")]
+    monkeypatch.setattr(doctor, "run_checks", lambda: rows)
+    assert main(["doctor"]) == 10
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["STATUS  CHECK           DETAIL",
+                                "ok      python          3.11",
+                                "FAIL    hpct extension  missing",
+                                "                        fix: run hpct-build wheel",
+                                "warn    libnccl         stock",
+                                "                        fix: build it",
+                                "1 required check(s) failed"]
+    assert err.startswith("hpct: error: 1 required check(s) failed: hpct extension\n")
+    assert main(["doctor", "--json"]) == 10
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema_version"] == 1 and doc["ok"] is False
+    assert doc["checks"][1] == {"check": "hpct extension", "status": "fail", "detail": "missing",
+                                "fix": "run hpct-build wheel"}
+    monkeypatch.setattr(doctor, "run_checks", lambda: rows[:1])
+    assert main(["doctor"]) == 0
+
+
+@pytest.mark.unit
+def test_live_doctor_json_is_consistent():
+    proc = run_cli("hpct", "doctor", "--json", timeout=180,
+                   env={k: "" for k in os.environ if k.startswith("HPCT_")})
+    doc = json.loads(proc.stdout)
+    assert doc["schema_version"] == 1
+    assert proc.returncode == (0 if doc["ok"] else 10), proc.stderr
+    assert [c["check"] for c in doc["checks"]][:2] == ["python", "pytorch"]
+
+
+@pytest.mark.unit
+def test_live_extension_row_when_built():
+    try:
+        importlib.import_module("hpct._gloo")
+    except ImportError:
+        pytest.skip("hpct._gloo is not built in this install (CI installs the wheel, where it must be)")
+    rows = doctor.check_extension(Probe())
+    assert rows[0].status == "ok", rows[0].detail
+    assert rows[1].status in ("ok", "info"), rows[1].detail
+
+
+@pytest.mark.multihost
+def test_kernel_row_against_a_real_namespace():
+    from netns import netns, unavailable_reason
+    if unavailable_reason():
+        pytest.skip(unavailable_reason())
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("HPCT_")}, "HPCT_PORT_BASE": "40000"}
+    with netns("hpct-doctor") as ns:
+        before = rows_by_name_json(ns.hpct("doctor", "--json", env=env, timeout=180))
+        assert before["kernel port ranges"]["status"] == "fail"
+        assert "ephemeral range 32768-60999" in before["kernel port ranges"]["detail"]
+        assert ns.hpct("ports", "apply", env=env).returncode == 0
+        after = rows_by_name_json(ns.hpct("doctor", "--json", env=env, timeout=180))
+        assert after["kernel port ranges"]["status"] == "ok", after["kernel port ranges"]
+        assert after["free ports"]["status"] == "ok"
+
+
+def rows_by_name_json(proc) -> dict:
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == (0 if doc["ok"] else 10), proc.stderr
+    return {c["check"]: c for c in doc["checks"]}
