@@ -7,5 +7,6 @@ cd "$(dirname "$0")/.."
 bash ci/setup.sh
 python3 -m hpct.build all
 python3 -m hpct.build build gloo --tests
-# `pytest` (not `python -m pytest`) keeps the checkout off sys.path.
-exec timeout --signal=INT --kill-after=60 80m pytest "$@"
+# -P keeps the checkout off sys.path (the tests exercise the installed wheel), and
+# the same python3 that installed the wheel runs the tests.
+exec timeout --signal=INT --kill-after=60 80m python3 -P -m pytest "$@"
