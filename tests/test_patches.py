@@ -49,7 +49,7 @@ def test_lint_names_each_missing_field(tmp_path):
                                "Last-Update '22/11/2026' is not YYYY-MM-DD"]
 
 
-@pytest.mark.parametrize("component", ["gloo"])
+@pytest.mark.parametrize("component", ["gloo", "pytorch"])
 def test_series_applies_to_the_pinned_tree(repo, component):
     proc = run_cli("hpct-build", "patch", "--check", component, "--root", str(repo), timeout=600)
     assert proc.returncode == 0, proc.stderr

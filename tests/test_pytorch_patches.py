@@ -1,0 +1,905 @@
+"""The PyTorch 2.6.0 series: its rootless logic, the form of its changes, and that they compile.
+
+The pure-Python part of the rootless path lives in a new, standalone module
+(``torch/distributed/_hpct_rootless.py``); it is imported here straight from
+the patched tree, never through a torch install.  Its port plan must agree
+with the shared vectors (tests/vectors/port_plan.json) that hpct.ports and
+every C++ implementation reproduce.
+
+The ``slow`` tests compile every C++ translation unit the series changes
+against the headers of the ``torch==2.6.0`` wheel and the patched Gloo, and
+need ``third_party/cache/torch-2.6.0-include`` (see docs/pytorch-build.md).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import py_compile
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+
+from util import REPO, run_cli
+
+VERSION = "2.6.0"
+SERIES_DIR = REPO / "patches" / "pytorch" / VERSION
+PATCHED = REPO / "third_party" / "patched" / f"pytorch-{VERSION}"
+MODULE = "torch/distributed/_hpct_rootless.py"
+VECTORS = json.loads((REPO / "tests" / "vectors" / "port_plan.json").read_text())
+
+
+def _series_files() -> list[Path]:
+    lines = (SERIES_DIR / "series").read_text().splitlines()
+    names = [ln.split("#", 1)[0].strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    return [SERIES_DIR / n for n in names]
+
+
+def changed_files() -> list[str]:
+    """Every path the series touches (b/ side), in order of first appearance."""
+    seen: list[str] = []
+    for patch in _series_files():
+        for m in re.finditer(r"^diff --git a/\S+ b/(\S+)$", patch.read_text(), re.MULTILINE):
+            if m.group(1) not in seen:
+                seen.append(m.group(1))
+    return seen
+
+
+@pytest.fixture(scope="session")
+def patched_tree() -> Path:
+    """third_party/patched/pytorch-2.6.0 with the current series (idempotent: made when stale)."""
+    proc = run_cli("hpct-build", "patch", "pytorch", "--root", str(REPO), timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    assert (PATCHED / MODULE).is_file()
+    return PATCHED
+
+
+@pytest.fixture
+def rl(patched_tree: Path):
+    """A fresh copy of the patched _hpct_rootless module (its state is per test)."""
+    name = "_hpct_rootless_under_test"
+    spec = importlib.util.spec_from_file_location(name, patched_tree / MODULE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module      # dataclasses look their module up by name
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(name, None)
+
+
+def _error_names(err, *names: str) -> None:
+    text = str(err)
+    assert "\n  fix: " in text, text
+    for n in names:
+        assert n in text, f"{n!r} not in {text!r}"
+
+
+# ------------------------------------------------------------ form of the series
+
+@pytest.mark.unit
+def test_series_has_why_lines_and_dep3_fields():
+    from hpct.build.patches import lint_patch
+    files = _series_files()
+    assert len(files) >= 4
+    for p in files:
+        assert lint_patch(p) == [], p.name
+        text = p.read_text()
+        assert "Origin: vendor, hpct" in text and "Forwarded: no" in text, p.name
+        assert text.startswith("From 0000000000000000000000000000000000000000 "), p.name
+
+
+@pytest.mark.unit
+def test_series_touches_only_c10d_and_its_bindings():
+    allowed = ("torch/distributed/", "torch/csrc/distributed/c10d/")
+    for path in changed_files():
+        assert path.startswith(allowed), path
+
+
+@pytest.mark.unit
+def test_new_module_imports_only_the_standard_library(patched_tree):
+    tree = ast.parse((patched_tree / MODULE).read_text())
+    top = set()
+    for node in tree.body:          # module level only: torch is imported lazily inside a function
+        if isinstance(node, ast.Import):
+            top.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            top.add(node.module.split(".")[0])
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    assert top <= stdlib, top - stdlib
+    assert "hpct" not in top
+
+
+@pytest.mark.unit
+def test_changed_python_modules_byte_compile(patched_tree, tmp_path):
+    py = [f for f in changed_files() if f.endswith(".py")]
+    assert MODULE in py and "torch/distributed/distributed_c10d.py" in py
+    for rel in py:
+        py_compile.compile(str(patched_tree / rel), cfile=str(tmp_path / "x.pyc"), doraise=True)
+
+
+def _guarded(stack: list[ast.AST]) -> bool:
+    for node in stack:
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("_hpct"):
+            return True
+        if isinstance(node, (ast.If, ast.IfExp)):
+            src = ast.unparse(node.test)
+            if "_hpct_rootless.enabled()" in src or re.search(r"\brootless(_gloo)?\b", src):
+                return True
+    return False
+
+
+@pytest.mark.unit
+def test_every_rootless_call_in_c10d_is_behind_the_switch(patched_tree):
+    """With HPCT_USE_ROOTLESS unset, distributed_c10d runs only stock code."""
+    tree = ast.parse((patched_tree / "torch/distributed/distributed_c10d.py").read_text())
+    unguarded, calls = [], 0
+
+    def visit(node, stack):
+        nonlocal calls
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = ast.unparse(f)
+            rootless = (isinstance(f, ast.Attribute) and ast.unparse(f.value) == "_hpct_rootless"
+                        and f.attr != "enabled") or name.startswith(("_hpct_rootless_", "_hpct_gloo"))
+            if rootless:
+                calls += 1
+                if not _guarded(stack):
+                    unguarded.append(f"line {node.lineno}: {name}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, stack + [node])
+
+    visit(tree, [])
+    assert calls >= 10
+    assert unguarded == []
+
+
+# ------------------------------------------------------------ the port plan (shared vectors)
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", VECTORS["port_of"], ids=lambda c: c["name"])
+def test_port_of_matches_the_vectors(rl, case):
+    args = {k: case[k] for k in ("block_base", "group", "local_rank", "nproc_per_node", "slots")}
+    assert rl.port_of(**args) == case["expect"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", VECTORS["invalid_port_of"], ids=lambda c: c["name"])
+def test_invalid_port_of_is_refused(rl, case):
+    args = {k: case[k] for k in ("block_base", "group", "local_rank", "nproc_per_node", "slots")}
+    with pytest.raises(rl.RootlessConfigError) as err:
+        rl.port_of(**args)
+    assert "fix:" in str(err.value)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", VECTORS["peer_table"], ids=lambda c: c["name"])
+def test_peer_table_matches_the_vectors(rl, case):
+    args = {k: case[k] for k in ("hosts", "block_base", "group", "world_size", "nproc_per_node", "slots")}
+    assert [list(x) for x in rl.peer_table(**args)] == case["expect"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", VECTORS["peer_table"], ids=lambda c: c["name"])
+def test_gloo_setup_of_the_whole_world_matches_the_peer_table(rl, case):
+    env = {"TORCH_GLOO_GET_PORT_BASE": str(case["block_base"]), "N_PROC_PER_NODE": str(case["nproc_per_node"]),
+           "HPCT_PORT_SLOTS": str(case["slots"]), "HPCT_HOSTS": ",".join(case["hosts"]),
+           "TORCH_NCCL_GET_PORT_BASE": "1024"}
+    plan = rl.load_plan(env)
+    w = case["world_size"]
+    for rank in range(w):
+        s = rl.gloo_setup(plan, case["group"], rank, list(range(w)), w)
+        assert [list(x) for x in zip(s.hosts, s.ports)] == case["expect"]
+        assert [s.self_host, s.self_port] == case["expect"][rank]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", VECTORS["defaults"], ids=lambda c: c["name"])
+def test_defaults_match_the_vectors(rl, case):
+    plan = rl.load_plan(case["env"])
+    want = case["expect"]
+    assert (plan.nproc_per_node, plan.slots, plan.gloo_base, plan.nccl_base) == \
+        (want["nproc_per_node"], want["slots"], want["gloo_base"], want["nccl_base"])
+
+
+@pytest.mark.unit
+def test_subgroup_uses_the_global_ranks_of_its_members(rl):
+    plan = rl.load_plan({"HPCT_HOSTS": "10.0.0.1,10.0.0.2", "N_PROC_PER_NODE": "2"})
+    # Members 1 and 2 of a 4-rank world: group ranks 0 and 1, group index 3.
+    s = rl.gloo_setup(plan, 3, 1, [1, 2], 4)
+    assert list(zip(s.hosts, s.ports)) == [("10.0.0.1", 12000 + 3 * 2 + 1), ("10.0.0.2", 12006)]
+    assert (s.self_host, s.self_port, s.group_index) == ("10.0.0.2", 12006, 3)
+    assert s.connect_timeout == 300.0 and s.generation == 0
+
+
+# ------------------------------------------------------------ the switch and the variables
+
+@pytest.mark.unit
+@pytest.mark.parametrize("value,expect", [(None, False), ("", False), ("0", False), ("1", True)])
+def test_switch(rl, value, expect):
+    env = {} if value is None else {"HPCT_USE_ROOTLESS": value}
+    assert rl.enabled(env) is expect
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("value", ["yes", "true", "2", "on"])
+def test_switch_rejects_anything_but_0_or_1(rl, value):
+    with pytest.raises(rl.RootlessConfigError) as err:
+        rl.enabled({"HPCT_USE_ROOTLESS": value})
+    _error_names(err.value, "HPCT_USE_ROOTLESS", "0 or 1")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("env,names", [
+    ({"HPCT_PORT_SLOTS": "0"}, ["HPCT_PORT_SLOTS"]),
+    ({"HPCT_PORT_BASE": "80"}, ["HPCT_PORT_BASE"]),
+    ({"TORCH_GLOO_GET_PORT_BASE": "7000x"}, ["TORCH_GLOO_GET_PORT_BASE", "integer"]),
+    ({"TORCH_GLOO_GET_PORT_BASE": "65530"}, ["TORCH_GLOO_GET_PORT_BASE", "65535"]),
+    ({"TORCH_GLOO_GET_PORT_BASE": "12000", "TORCH_NCCL_GET_PORT_BASE": "12004"},
+     ["TORCH_NCCL_GET_PORT_BASE", "overlaps"]),
+    ({"N_PROC_PER_NODE": "4", "LOCAL_WORLD_SIZE": "8"}, ["LOCAL_WORLD_SIZE", "N_PROC_PER_NODE"]),
+    ({"HPCT_CONNECT_TIMEOUT": "-1"}, ["HPCT_CONNECT_TIMEOUT"]),
+    ({"HPCT_CONNECT_TIMEOUT": "nan"}, ["HPCT_CONNECT_TIMEOUT"]),
+    ({"TORCH_DIST_INIT_BARRIER": "yes"}, ["TORCH_DIST_INIT_BARRIER"]),
+    ({"HPCT_HOSTS": "a,,b"}, ["HPCT_HOSTS"]),
+    ({"HPCT_HOSTS": "a,b,a"}, ["HPCT_HOSTS", "twice"]),
+    ({"HPCT_HOSTS": "a", "HPCT_HOSTFILE": "/x"}, ["HPCT_HOSTS", "HPCT_HOSTFILE"]),
+    ({"HPCT_HOSTFILE": "/nonexistent/hosts"}, ["HPCT_HOSTFILE"]),
+], ids=lambda x: ",".join(x) if isinstance(x, dict) else None)
+def test_bad_variables_fail_with_the_variable_and_the_fix(rl, env, names):
+    with pytest.raises(rl.RootlessConfigError) as err:
+        rl.load_plan(env)
+    _error_names(err.value, *names)
+
+
+@pytest.mark.unit
+def test_empty_values_count_as_unset(rl):
+    plan = rl.load_plan({"HPCT_PORT_BASE": "", "N_PROC_PER_NODE": " ", "HPCT_HOSTS": ""})
+    assert (plan.gloo_base, plan.nproc_per_node, plan.hosts) == (12000, 1, None)
+
+
+@pytest.mark.unit
+def test_hostfile_with_comments(rl, tmp_path):
+    f = tmp_path / "hosts"
+    f.write_text("# the job's nodes\n10.0.0.1\n\n10.0.0.2  # node 1\n")
+    plan = rl.load_plan({"HPCT_HOSTFILE": str(f), "N_PROC_PER_NODE": "2"})
+    assert plan.hosts == ("10.0.0.1", "10.0.0.2")
+    assert plan.host_list(4) == ("10.0.0.1", "10.0.0.2")
+
+
+@pytest.mark.unit
+def test_single_node_defaults_to_loopback(rl):
+    plan = rl.load_plan({"LOCAL_WORLD_SIZE": "4"})
+    assert plan.host_list(4) == ("127.0.0.1",)
+    assert rl.load_plan({}).host_list(1) == ("127.0.0.1",)
+
+
+@pytest.mark.unit
+def test_multi_node_world_without_a_host_list(rl):
+    plan = rl.load_plan({"N_PROC_PER_NODE": "8"})
+    with pytest.raises(rl.RootlessConfigError) as err:
+        plan.host_list(16)
+    _error_names(err.value, "HPCT_HOSTS", "HPCT_HOSTFILE", "N_PROC_PER_NODE", "16")
+
+
+@pytest.mark.unit
+def test_world_size_that_does_not_fit_the_host_list(rl):
+    plan = rl.load_plan({"N_PROC_PER_NODE": "2", "HPCT_HOSTS": "a,b"})
+    assert plan.host_list(4) == ("a", "b")
+    with pytest.raises(rl.RootlessConfigError) as err:
+        plan.host_list(5)
+    _error_names(err.value, "HPCT_HOSTS", "N_PROC_PER_NODE", "world size 5")
+
+
+@pytest.mark.unit
+def test_local_rank_must_follow_block_placement(rl):
+    plan = rl.load_plan({"N_PROC_PER_NODE": "2", "HPCT_HOSTS": "a,b"})
+    rl.check_rank_placement(plan, 3, {"LOCAL_RANK": "1"})
+    rl.check_rank_placement(plan, 3, {})
+    with pytest.raises(rl.RootlessConfigError) as err:
+        rl.check_rank_placement(plan, 3, {"LOCAL_RANK": "0"})
+    _error_names(err.value, "LOCAL_RANK", "N_PROC_PER_NODE")
+
+
+# ------------------------------------------------------------ rank and world size without a store
+
+@pytest.mark.unit
+def test_rank_and_world_size_from_the_arguments_need_no_master(rl):
+    assert rl.resolve_rank_and_world_size(None, 1, 4, {}) == (1, 4)
+    assert rl.resolve_rank_and_world_size("env://", 0, 2, {}) == (0, 2)
+
+
+@pytest.mark.unit
+def test_rank_and_world_size_from_the_environment(rl):
+    env = {"RANK": "3", "WORLD_SIZE": "8"}       # no MASTER_ADDR / MASTER_PORT
+    assert rl.resolve_rank_and_world_size("env://", -1, -1, env) == (3, 8)
+    assert rl.resolve_rank_and_world_size(None, -1, -1, env) == (3, 8)
+    assert rl.resolve_rank_and_world_size(None, 5, -1, env) == (5, 8)
+
+
+@pytest.mark.unit
+def test_rank_and_world_size_from_a_tcp_url(rl):
+    url = "tcp://10.0.0.1:29500?rank=2&world_size=4"
+    assert rl.resolve_rank_and_world_size(url, -1, -1, {"RANK": "0", "WORLD_SIZE": "9"}) == (2, 4)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("env,names", [
+    ({"WORLD_SIZE": "2"}, ["RANK", "rank"]),
+    ({"RANK": "0"}, ["WORLD_SIZE"]),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, ["RANK", "0..1"]),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, ["RANK", "integer"]),
+])
+def test_missing_or_bad_rank_and_world_size(rl, env, names):
+    with pytest.raises(rl.RootlessConfigError) as err:
+        rl.resolve_rank_and_world_size("env://", -1, -1, env)
+    _error_names(err.value, *names)
+
+
+@pytest.mark.unit
+def test_other_init_methods_are_refused(rl):
+    with pytest.raises(rl.RootlessConfigError) as err:
+        rl.resolve_rank_and_world_size("file:///tmp/x", 0, 1, {})
+    _error_names(err.value, "env://", "HPCT_USE_ROOTLESS")
+
+
+# ------------------------------------------------------------ the ephemeral port floor
+
+@pytest.mark.unit
+def test_block_below_the_floor_passes(rl):
+    plan = rl.load_plan({"N_PROC_PER_NODE": "8"})           # gloo block 12000-12063
+    rl.check_ephemeral_range(plan, (20000, 65535), set())
+
+
+@pytest.mark.unit
+def test_block_over_the_floor_fails_naming_the_variable_and_the_sysctl(rl):
+    plan = rl.load_plan({"TORCH_GLOO_GET_PORT_BASE": "30000"})
+    with pytest.raises(rl.RootlessConfigError) as err:
+        rl.check_ephemeral_range(plan, (20000, 65535), set())
+    _error_names(err.value, "TORCH_GLOO_GET_PORT_BASE", "ip_local_port_range", "30000-30007")
+
+
+@pytest.mark.unit
+def test_reserved_block_passes(rl):
+    plan = rl.load_plan({"TORCH_GLOO_GET_PORT_BASE": "30000"})
+    rl.check_ephemeral_range(plan, (20000, 65535), set(range(30000, 30008)))
+    with pytest.raises(rl.RootlessConfigError):
+        rl.check_ephemeral_range(plan, (20000, 65535), set(range(30000, 30007)))
+
+
+@pytest.mark.unit
+def test_reserved_ports_syntax(rl):
+    assert rl._parse_reserved("30000-30002,31000\n") == {30000, 30001, 30002, 31000}
+    assert rl._parse_reserved("") == set()
+
+
+@pytest.mark.unit
+def test_kernel_values_are_read_when_not_given(rl, monkeypatch):
+    reads = {"/proc/sys/net/ipv4/ip_local_port_range": "32768\t60999\n",
+             "/proc/sys/net/ipv4/ip_local_reserved_ports": "40000-40007\n"}
+    monkeypatch.setattr(rl, "_read_proc", reads.get)
+    rl.check_ephemeral_range(rl.load_plan({"TORCH_GLOO_GET_PORT_BASE": "40000"}))
+    with pytest.raises(rl.RootlessConfigError):
+        rl.check_ephemeral_range(rl.load_plan({"TORCH_GLOO_GET_PORT_BASE": "41000"}))
+    monkeypatch.setattr(rl, "_read_proc", lambda path: None)       # no /proc: nothing to check
+    rl.check_ephemeral_range(rl.load_plan({"TORCH_GLOO_GET_PORT_BASE": "41000"}))
+
+
+# ------------------------------------------------------------ group indices
+
+@pytest.mark.unit
+def test_counter_names_are_the_group_index(rl):
+    assert rl.index_of_group("0") == 0
+    assert rl.index_of_group("17") == 17
+
+
+@pytest.mark.unit
+def test_custom_or_hashed_name_without_an_index(rl):
+    with pytest.raises(rl.RootlessConfigError) as err:
+        rl.index_of_group("my_group")
+    _error_names(err.value, "group counter")
+
+
+@pytest.mark.unit
+def test_local_synchronization_without_a_slot_fails(rl):
+    with pytest.raises(rl.RootlessConfigError) as err:
+        rl.take_local_sync_index("a3f9")
+    _error_names(err.value, "use_local_synchronization", "group_index(N)")
+
+
+@pytest.mark.unit
+def test_local_synchronization_with_an_explicit_slot(rl):
+    with rl.group_index(100):
+        assert rl.take_local_sync_index("a3f9") == 100
+        with rl.group_index(7):                           # the innermost wins
+            assert rl.take_local_sync_index("b001") == 7
+    assert rl.index_of_group("a3f9") == 100 and rl.index_of_group("b001") == 7
+    with pytest.raises(rl.RootlessConfigError):           # the context is gone
+        rl.take_local_sync_index("c002")
+    rl.forget_group("a3f9")
+    with pytest.raises(rl.RootlessConfigError):
+        rl.index_of_group("a3f9")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("bad", [-1, 1.5, "3", True, None])
+def test_group_index_must_be_a_non_negative_int(rl, bad):
+    with pytest.raises(rl.RootlessConfigError):
+        with rl.group_index(bad):
+            pass
+
+
+@pytest.mark.unit
+def test_debug_wrapper_has_its_own_reserved_index(rl):
+    rl.reserve_wrapper_index("0", 1)
+    rl.reserve_wrapper_index("2", 3)
+    assert (rl.index_of_group("0"), rl.index_of_group("0", wrapper=True)) == (0, 1)
+    assert rl.index_of_group("2", wrapper=True) == 3
+    with pytest.raises(rl.RootlessConfigError) as err:
+        rl.index_of_group("4", wrapper=True)
+    _error_names(err.value, "TORCH_DISTRIBUTED_DEBUG")
+
+
+@pytest.mark.unit
+def test_debug_wrapper_of_a_local_synchronization_group_is_refused(rl):
+    rl.check_local_sync_wrapper(False)
+    with pytest.raises(rl.RootlessConfigError) as err:
+        rl.check_local_sync_wrapper(True)
+    _error_names(err.value, "TORCH_DISTRIBUTED_DEBUG", "use_local_synchronization")
+
+
+@pytest.mark.unit
+def test_only_gloo_has_a_rootless_path(rl):
+    rl.check_backends({"cpu": "gloo"})
+    with pytest.raises(rl.RootlessConfigError) as err:
+        rl.check_backends({"cpu": "gloo", "cuda": "nccl"})
+    _error_names(err.value, "nccl for cuda", "backend='gloo'", "HPCT_USE_ROOTLESS")
+
+
+# ------------------------------------------------------------ generation across destroy and re-init
+
+@pytest.mark.unit
+def test_generation_starts_at_zero_or_hpct_generation(rl):
+    assert rl.generation({}) == 0
+    rl._generation = None
+    assert rl.generation({"HPCT_GENERATION": "5"}) == 5
+
+
+@pytest.mark.unit
+def test_world_reset_advances_the_generation_and_forgets_indices(rl):
+    assert rl.generation({}) == 0
+    with rl.group_index(9):
+        rl.take_local_sync_index("h")
+    rl.reserve_wrapper_index("0", 1)
+    assert rl.advance_generation() == 1
+    assert rl.generation() == 1
+    with pytest.raises(rl.RootlessConfigError):
+        rl.index_of_group("h")
+    with pytest.raises(rl.RootlessConfigError):
+        rl.index_of_group("0", wrapper=True)
+    plan = rl.load_plan({})
+    assert rl.gloo_setup(plan, 0, 0, [0], 1).generation == 1
+
+
+@pytest.mark.unit
+def test_generation_wraps_below_two_to_the_31(rl):
+    rl.set_generation(rl.MAX_GENERATION)
+    assert rl.advance_generation() == 0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("bad", [-1, 2 ** 31, "1", True])
+def test_bad_generation(rl, bad):
+    with pytest.raises(rl.RootlessConfigError) as err:
+        rl.set_generation(bad)
+    _error_names(err.value, "generation")
+
+
+@pytest.mark.unit
+def test_bad_hpct_generation_names_the_variable(rl):
+    with pytest.raises(rl.RootlessConfigError) as err:
+        rl.generation({"HPCT_GENERATION": "-3"})
+    _error_names(err.value, "HPCT_GENERATION")
+
+
+@pytest.mark.unit
+def test_placeholder_store_fails_every_operation_with_the_reason(rl):
+    pytest.importorskip("torch.distributed")
+    store = rl.placeholder_store()
+    for op, call in (("set", lambda: store.set("k", "v")), ("get", lambda: store.get("k")),
+                     ("add", lambda: store.add("k", 1)), ("wait", lambda: store.wait(["k"]))):
+        with pytest.raises(RuntimeError) as err:
+            call()
+        assert f"{op}()" in str(err.value) and "HPCT_USE_ROOTLESS" in str(err.value)
+
+
+# ------------------------------------------------------------ compile every changed C++ unit
+#
+# Against: the torch==2.6.0 wheel's torch/include (cached in third_party/cache/torch-2.6.0-include,
+# the wheel itself is not kept and never installed), the changed headers of the patched tree
+# (an overlay ahead of the wheel's copies), the patched Gloo tree plus the config.h of the
+# patched Gloo build, the Python headers, and -- last -- the pristine source tree for the few
+# headers the wheel does not ship, and Debian's fmt and cpp-httplib headers (neither the wheel
+# nor the dfsg tree has them).
+
+CACHE = REPO / "third_party" / "cache"
+TORCH_INCLUDE = CACHE / f"torch-{VERSION}-include"
+TORCH_WHEELS = {   # sha256 of the wheels pip may choose (pinned: a mismatch is an error)
+    "torch-2.6.0-cp311-cp311-manylinux1_x86_64.whl":
+        "7979834102cd5b7a43cc64e87f2f3b14bd0e1458f06e9f88ffa386d07c7446e1",
+}
+GLOO_PATCHED = REPO / "third_party" / "patched" / "gloo-5354032"
+GLOO_PRISTINE = REPO / "third_party" / "src" / "gloo-5354032"
+GLOO_CONFIG = REPO / "third_party" / "build" / "gloo-5354032" / "install" / "include"
+PRISTINE = REPO / "third_party" / "src" / f"pytorch-{VERSION}"
+DEFINES = ["-DUSE_C10D_GLOO", "-DUSE_DISTRIBUTED", "-DUSE_C10D", "-DUSE_RPC", "-DUSE_TENSORPIPE",
+           "-DTHP_BUILD_MAIN_LIB"]
+EXTRA_DEBS = ("libfmt-dev", "libcpp-httplib-dev")
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fetch_torch_headers(dest: Path = TORCH_INCLUDE) -> Path:
+    """pip download torch==2.6.0 once, keep torch/include, drop the wheel (~766 MB -> ~51 MB)."""
+    marker = dest / "torch" / "include" / "torch" / "csrc" / "distributed" / "c10d" / "ProcessGroupGloo.hpp"
+    if marker.is_file():
+        return dest
+    import tempfile
+    import zipfile
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="torch-wheel-", dir=dest.parent) as tmp:
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                               f"torch=={VERSION}", "-d", tmp], capture_output=True, text=True, timeout=1800)
+        assert proc.returncode == 0, f"pip download torch=={VERSION} failed:\n{proc.stderr[-2000:]}"
+        wheel = next(Path(tmp).glob("torch-*.whl"))
+        want = TORCH_WHEELS.get(wheel.name)
+        if want is not None:
+            got = _sha256(wheel)
+            assert got == want, f"{wheel.name}: sha256 {got} is not the pinned {want}"
+        scratch = Path(tmp) / "include"
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(scratch, [n for n in z.namelist() if n.startswith("torch/include/")])
+        wheel.unlink()
+        os.replace(scratch, dest)      # atomic: a half-extracted tree is never left at dest
+    return dest
+
+
+def fetch_extra_headers(dest: Path = TORCH_INCLUDE / "extra") -> Path:
+    """fmt and cpp-httplib headers from Debian's packages (downloaded, unpacked, never installed)."""
+    if (dest / "httplib.h").is_file() and (dest / "fmt" / "format.h").is_file():
+        return dest
+    import tempfile
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="extra-headers-", dir=dest.parent) as tmp:
+        proc = subprocess.run(["apt-get", "download", *EXTRA_DEBS], cwd=tmp, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, (f"apt-get download {' '.join(EXTRA_DEBS)} failed:\n{proc.stderr[-1500:]}\n"
+                                      "fix: run apt-get update (ci/setup.sh does)")
+        root = Path(tmp) / "root"
+        for deb in Path(tmp).glob("*.deb"):
+            subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True, timeout=120)
+        scratch = Path(tmp) / "extra"
+        scratch.mkdir()
+        shutil.copy2(root / "usr/include/httplib.h", scratch / "httplib.h")
+        shutil.copytree(root / "usr/include/fmt", scratch / "fmt")
+        os.replace(scratch, dest)
+    return dest
+
+
+def changed_units() -> list[str]:
+    return [f for f in changed_files() if f.endswith((".cpp", ".cc"))]
+
+
+def compile_unit(tree: Path, unit: str, gloo_include: Path, overlay: Path, torch_include: Path = TORCH_INCLUDE,
+                 timeout: float = 900) -> subprocess.CompletedProcess:
+    inc = torch_include / "torch" / "include"
+    cmd = ["g++", "-fsyntax-only", "-std=c++17", "-fPIC", "-w", *DEFINES,
+           "-I", str(overlay), "-I", str(inc), "-I", str(inc / "torch" / "csrc" / "api" / "include"),
+           "-I", str(gloo_include), "-I", str(GLOO_CONFIG),
+           "-I", sysconfig.get_paths()["include"],
+           "-idirafter", str(PRISTINE), "-idirafter", str(torch_include / "extra"), unit]
+    return subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=timeout)
+
+
+def header_overlay(tree: Path, dest: Path) -> Path:
+    """The series' changed headers at their include paths, to shadow the wheel's stock copies."""
+    for rel in changed_files():
+        if rel.endswith((".h", ".hpp")):
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(tree / rel, dest / rel)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def compile_env(patched_tree, tmp_path_factory):
+    if shutil.which("g++") is None:
+        pytest.fail("g++ is not installed; fix: apt-get install g++ (ci/setup.sh does)")
+    proc = run_cli("hpct-build", "patch", "gloo", "--root", str(REPO), timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert (GLOO_CONFIG / "gloo" / "config.h").is_file(), \
+        "no patched Gloo build (its config.h); fix: hpct-build build gloo"
+    fetch_torch_headers()
+    fetch_extra_headers()
+    return header_overlay(patched_tree, tmp_path_factory.mktemp("overlay"))
+
+
+@pytest.mark.slow
+def test_series_changes_the_expected_units():
+    assert changed_units() == ["torch/csrc/distributed/c10d/GlooDeviceFactory.cpp",
+                               "torch/csrc/distributed/c10d/ProcessGroupGloo.cpp",
+                               "torch/csrc/distributed/c10d/init.cpp"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("unit", changed_units())
+def test_changed_unit_compiles_against_torch_2_6_0_and_the_patched_gloo(compile_env, patched_tree, unit):
+    started = time.monotonic()
+    proc = compile_unit(patched_tree, unit, GLOO_PATCHED, compile_env)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, f"{unit} does not compile:\n{proc.stderr[-6000:]}"
+    print(f"{unit}: compiled in {elapsed:.1f} s")
+
+
+@pytest.mark.slow
+def test_the_compile_check_sees_the_gloo_api(compile_env, patched_tree):
+    """Against the *pristine* Gloo headers the storeless/abort calls must fail: the check is real."""
+    proc = compile_unit(patched_tree, "torch/csrc/distributed/c10d/ProcessGroupGloo.cpp", GLOO_PRISTINE,
+                        compile_env)
+    assert proc.returncode != 0
+    assert "StorelessOptions" in proc.stderr or "connectFullMeshStoreless" in proc.stderr, proc.stderr[-3000:]
+
+
+
+# ------------------------------------------------------------ opt-in: run the patched ProcessGroupGloo
+#
+# Not a full torch build: the patched ProcessGroupGloo.cpp and GlooDeviceFactory.cpp and the patched
+# Gloo are compiled into a small two-process C++ program linked against libtorch_cpu.so of the
+# torch==2.6.0 wheel (its symbols hidden from the program's dynamic table, so the wheel's own copies
+# never meet ours).  It checks the storeless connect (a late peer), abort of a running and a queued
+# operation, the destructor after abort, a rebuild on the same ports with the next generation, and
+# the connect deadline.  It needs the wheel's libraries (about 460 MB), which CI does not keep; make
+# them once with `python3 tests/test_pytorch_patches.py fetch-runtime`.
+
+TORCH_RUNTIME = CACHE / f"torch-{VERSION}-runtime"
+RUNTIME_LIBS = ("libtorch_cpu.so", "libc10.so", "libgomp-a34b3233.so.1", "libcudart.so.12", "libcupti.so.12")
+NVIDIA_WHEELS = ("nvidia-cuda-runtime-cu12==12.4.127", "nvidia-cuda-cupti-cu12==12.4.127")
+HARNESS_CPP = r"""// Runtime check of the hpct PyTorch patches 0002-0004 (device port, storeless
+// connect, abort/shutdown) against libtorch_cpu.so of the torch==2.6.0 wheel,
+// with the patched ProcessGroupGloo.cpp/GlooDeviceFactory.cpp and the patched
+// Gloo linked into this executable. Two processes on loopback.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+using namespace std::chrono;
+using c10d::ProcessGroupGloo;
+
+static int kBase = 0;
+static double since(steady_clock::time_point t) {
+  return duration<double>(steady_clock::now() - t).count();
+}
+#define CHECK(cond, ...)                                        \
+  do {                                                          \
+    if (!(cond)) {                                              \
+      fprintf(stderr, "rank %d FAIL line %d: ", rank, __LINE__); \
+      fprintf(stderr, __VA_ARGS__);                             \
+      fprintf(stderr, "\n");                                    \
+      _exit(1);                                                 \
+    }                                                           \
+  } while (0)
+
+static c10::intrusive_ptr<ProcessGroupGloo> make(int rank, int size, uint32_t gen, int threads,
+                                                 milliseconds connect = milliseconds(20000)) {
+  auto o = ProcessGroupGloo::Options::create(milliseconds(30000));
+  o->devices.push_back(ProcessGroupGloo::createDeviceForHostname("127.0.0.1", kBase + rank));
+  o->threads = threads;
+  for (int r = 0; r < size; r++) {
+    o->storeless_hosts.push_back("127.0.0.1");
+    o->storeless_ports.push_back(kBase + r);
+  }
+  o->generation = gen;
+  o->connect_timeout = connect;
+  auto store = c10::make_intrusive<c10d::HashStore>();  // never used: storeless
+  return c10::make_intrusive<ProcessGroupGloo>(store, rank, size, o);
+}
+
+static float allreduce(c10::intrusive_ptr<ProcessGroupGloo>& pg) {
+  std::vector<at::Tensor> t{at::ones({4})};
+  auto w = pg->allreduce(t);
+  w->wait();
+  return t[0][0].item<float>();
+}
+
+static int run(int rank) {
+  const int size = 2;
+  // 1. Storeless connect, rank 1 starting late: the connect retries.
+  if (rank == 1) std::this_thread::sleep_for(milliseconds(700));
+  auto t0 = steady_clock::now();
+  auto pg = make(rank, size, 0, /*threads=*/1);
+  printf("rank %d: storeless connect in %.2f s\n", rank, since(t0));
+  CHECK(allreduce(pg) == 2.0f, "allreduce");
+  printf("rank %d: allreduce ok\n", rank);
+
+  // 2. Abort with one op running and one queued (rank 1 never joins them).
+  if (rank == 0) {
+    std::vector<at::Tensor> a{at::ones({4})}, b{at::ones({4})};
+    auto wa = pg->allreduce(a);
+    auto wb = pg->allreduce(b);
+    std::this_thread::sleep_for(milliseconds(300));
+    CHECK(!wa->isCompleted() && !wb->isCompleted(), "ops must still be pending");
+    auto ta = steady_clock::now();
+    std::thread aborter([&] { pg->abort("harness abort"); });
+    bool threwA = false, threwB = false;
+    std::string msgA, msgB;
+    try { wa->wait(); } catch (const std::exception& e) { threwA = true; msgA = e.what(); }
+    try { wb->wait(); } catch (const std::exception& e) { threwB = true; msgB = e.what(); }
+    aborter.join();
+    double dt = since(ta);
+    printf("rank 0: abort woke running+queued ops in %.3f s\n", dt);
+    printf("rank 0:   running op: %.160s\n", msgA.c_str());
+    printf("rank 0:   queued op:  %.160s\n", msgB.c_str());
+    CHECK(threwA && threwB, "both ops must fail");
+    CHECK(dt < 2.0, "abort took %.3f s", dt);
+    CHECK(msgB.find("was aborted: harness abort") != std::string::npos, "queued error: %s", msgB.c_str());
+    bool threwC = false;
+    try { std::vector<at::Tensor> c{at::ones({4})}; pg->allreduce(c)->wait(); }
+    catch (const std::exception& e) { threwC = true; }
+    CHECK(threwC, "op after abort must fail");
+    CHECK(pg->isAborted(), "isAborted");
+  } else {
+    std::this_thread::sleep_for(milliseconds(1500));
+    pg->shutdown();
+  }
+  auto td = steady_clock::now();
+  pg.reset();  // destructor must not wait for pending work
+  printf("rank %d: destructor after abort/shutdown in %.3f s\n", rank, since(td));
+  CHECK(since(td) < 2.0, "destructor slow");
+
+  // 3. Rebuild on the same ports with the next generation.
+  std::this_thread::sleep_for(milliseconds(rank == 0 ? 1500 : 200));
+  t0 = steady_clock::now();
+  auto pg2 = make(rank, size, 1, 2);
+  printf("rank %d: reconnect on the same ports, generation 1, in %.2f s\n", rank, since(t0));
+  CHECK(allreduce(pg2) == 2.0f, "allreduce 2");
+  printf("rank %d: allreduce after rebuild ok\n", rank);
+
+  // 4. A missing peer: the connect deadline (not the 30 s op timeout) ends it.
+  pg2->shutdown();
+  pg2.reset();
+  if (rank == 0) {
+    t0 = steady_clock::now();
+    bool threw = false;
+    std::string msg;
+    try { make(0, 2, 2, 1, milliseconds(1500)); } catch (const std::exception& e) { threw = true; msg = e.what(); }
+    printf("rank 0: connect to an absent peer failed after %.2f s: %.200s\n", since(t0), msg.c_str());
+    CHECK(threw && since(t0) < 5.0, "connect deadline");
+    CHECK(msg.find("HPCT_CONNECT_TIMEOUT") != std::string::npos, "message names the fix");
+  }
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IOLBF, 0);
+  kBase = argc > 1 ? atoi(argv[1]) : 29610;
+  pid_t kids[2];
+  for (int r = 0; r < 2; r++) {
+    kids[r] = fork();
+    if (kids[r] == 0) {
+      alarm(60);
+      _exit(run(r));
+    }
+  }
+  int rc = 0;
+  for (int r = 0; r < 2; r++) {
+    int st = 0;
+    waitpid(kids[r], &st, 0);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+      fprintf(stderr, "rank %d exited with status %d\n", r, st);
+      rc = 1;
+    }
+  }
+  printf(rc == 0 ? "HARNESS PASSED\n" : "HARNESS FAILED\n");
+  return rc;
+}
+"""
+
+
+def fetch_torch_runtime(dest: Path = TORCH_RUNTIME) -> Path:
+    """The wheel's libtorch_cpu/libc10 (+ the CUDA runtime and CUPTI it links) for the opt-in run."""
+    import tempfile
+    import zipfile
+    if all((dest / n).is_file() for n in RUNTIME_LIBS):
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="torch-runtime-", dir=dest.parent) as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                        f"torch=={VERSION}", *NVIDIA_WHEELS, "-d", tmp], check=True, timeout=1800)
+        out = Path(tmp) / "lib"
+        out.mkdir()
+        for wheel in Path(tmp).glob("*.whl"):
+            if wheel.name in TORCH_WHEELS:
+                got = _sha256(wheel)
+                assert got == TORCH_WHEELS[wheel.name], f"{wheel.name}: sha256 {got} is not the pinned one"
+            with zipfile.ZipFile(wheel) as z:
+                for name in z.namelist():
+                    if Path(name).name in RUNTIME_LIBS:
+                        (out / Path(name).name).write_bytes(z.read(name))
+            wheel.unlink()
+        os.replace(out, dest)
+    return dest
+
+
+@pytest.mark.slow
+def test_patched_process_group_gloo_runs_storeless_and_aborts(compile_env, patched_tree, tmp_path):
+    if not all((TORCH_RUNTIME / n).is_file() for n in RUNTIME_LIBS):
+        pytest.skip(f"opt-in: no {TORCH_RUNTIME}; make it with `python3 tests/test_pytorch_patches.py fetch-runtime`")
+    for tool in ("cmake", "ninja"):
+        assert shutil.which(tool), f"{tool} is missing; fix: apt-get install cmake ninja-build"
+    abi = "-D_GLIBCXX_USE_CXX11_ABI=0"          # the 2.6.0 wheel uses the pre-C++11 string ABI
+    gloo_build = tmp_path / "gloo"
+    steps = [
+        ["cmake", "-G", "Ninja", "-S", str(GLOO_PATCHED), "-B", str(gloo_build), "-DCMAKE_BUILD_TYPE=Release",
+         "-DBUILD_SHARED_LIBS=OFF", "-DCMAKE_POSITION_INDEPENDENT_CODE=ON", "-DUSE_LIBUV=OFF", "-DUSE_REDIS=OFF",
+         "-DUSE_IBVERBS=OFF", "-DUSE_MPI=OFF", "-DUSE_NCCL=OFF", "-DUSE_CUDA=OFF", "-DUSE_ROCM=OFF",
+         "-DUSE_TCP_OPENSSL_LINK=OFF", "-DUSE_TCP_OPENSSL_LOAD=OFF", "-DBUILD_TEST=OFF", "-DBUILD_BENCHMARK=OFF",
+         f"-DCMAKE_CXX_FLAGS=-std=c++17 {abi}"],
+        ["ninja", "-C", str(gloo_build), "-j2"],
+    ]
+    for cmd in steps:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    inc = TORCH_INCLUDE / "torch" / "include"
+    flags = ["-std=c++17", abi, "-fPIC", "-O1", "-w", "-DUSE_C10D_GLOO", "-DUSE_DISTRIBUTED", "-DUSE_C10D",
+             "-I", str(compile_env), "-I", str(inc), "-I", str(inc / "torch/csrc/api/include"),
+             "-I", str(GLOO_PATCHED), "-I", str(gloo_build), "-idirafter", str(PRISTINE),
+             "-idirafter", str(TORCH_INCLUDE / "extra")]
+    (tmp_path / "harness.cpp").write_text(HARNESS_CPP)
+    objs = []
+    for src in ("torch/csrc/distributed/c10d/ProcessGroupGloo.cpp", "torch/csrc/distributed/c10d/GlooDeviceFactory.cpp",
+                str(tmp_path / "harness.cpp")):
+        obj = tmp_path / (Path(src).stem + ".o")
+        proc = subprocess.run(["g++", *flags, "-c", src, "-o", str(obj)], cwd=patched_tree, capture_output=True,
+                              text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        objs.append(str(obj))
+    (tmp_path / "hide.map").write_text("{ local: *; };\n")
+    exe = tmp_path / "harness"
+    proc = subprocess.run(["g++", "-o", str(exe), *objs, str(gloo_build / "gloo" / "libgloo.a"),
+                           "-L", str(TORCH_RUNTIME), "-l:libtorch_cpu.so", "-l:libc10.so", "-lpthread",
+                           f"-Wl,--version-script={tmp_path / 'hide.map'}", f"-Wl,-rpath-link,{TORCH_RUNTIME}"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    env = {**os.environ, "LD_LIBRARY_PATH": str(TORCH_RUNTIME)}
+    proc = subprocess.run([str(exe), "29710"], capture_output=True, text=True, timeout=120, env=env)
+    print(proc.stdout)
+    assert proc.returncode == 0 and "HARNESS PASSED" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["fetch-runtime"]:
+        print(fetch_torch_runtime())
+    else:
+        raise SystemExit("usage: python3 tests/test_pytorch_patches.py fetch-runtime")
