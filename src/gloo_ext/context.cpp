@@ -1,6 +1,592 @@
-// Placeholder until the storeless-context bindings land (issue 3).
+// hpct._gloo.Context: a storeless, abortable Gloo context over the patched
+// Gloo (patches/gloo/5354032).  Every rank gets the full peer table
+// (host, port) from the port plan, binds its own entry and connects the full
+// mesh directly: no store, no root.  Every blocking call releases the GIL so
+// that abort() can be called from another Python thread while an op waits.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "bindings.h"
+#include "gloo/allgather.h"
+#include "gloo/allreduce.h"
+#include "gloo/barrier.h"
+#include "gloo/broadcast.h"
+#include "gloo/common/error.h"
+#include "gloo/common/logging.h"
+#include "gloo/math.h"
+#include "gloo/rendezvous/context.h"
+#include "gloo/transport/context.h"
+#include "gloo/transport/tcp/device.h"
+#include "gloo/transport/unbound_buffer.h"
+
+namespace py = pybind11;
 
 namespace hpct {
-void bind_context(pybind11::module_& m) { (void)m; }
+namespace {
+
+// Python exception types (created once at import; never freed).
+PyObject* g_gloo_error = nullptr;           // GlooError(RuntimeError)
+PyObject* g_aborted_error = nullptr;        // AbortedError(GlooError)
+PyObject* g_connect_timeout_error = nullptr;  // ConnectTimeoutError(GlooError, TimeoutError)
+PyObject* g_peer_error = nullptr;           // PeerError(GlooError, ConnectionError)
+PyObject* g_op_timeout_error = nullptr;     // OpTimeoutError(PeerError, TimeoutError)
+PyObject* g_address_in_use_error = nullptr; // AddressInUseError(GlooError, OSError)
+
+PyObject* make_exception(py::module_& m, const char* name, PyObject* bases, const char* doc) {
+  std::string qualified = std::string("hpct._gloo.") + name;
+  PyObject* type = PyErr_NewExceptionWithDoc(qualified.c_str(), doc, bases, nullptr);
+  if (type == nullptr) {
+    throw py::error_already_set();
+  }
+  m.add_object(name, py::handle(type));  // add_object steals nothing; keep our ref
+  Py_INCREF(type);
+  return type;
+}
+
+// Translate Gloo's C++ exceptions into the module's Python types.
+void translate(std::exception_ptr p) {
+  try {
+    if (p) {
+      std::rethrow_exception(p);
+    }
+  } catch (const gloo::AbortedException& e) {
+    PyErr_SetString(g_aborted_error, e.what());
+  } catch (const gloo::ConnectTimeoutException& e) {
+    PyErr_SetString(g_connect_timeout_error, e.what());
+  } catch (const gloo::IoException& e) {
+    const std::string what = e.what();
+    if (what.find("Timed out waiting") != std::string::npos ||
+        what.find("Application timeout") != std::string::npos) {
+      PyErr_SetString(g_op_timeout_error, e.what());
+    } else {
+      PyErr_SetString(g_peer_error, e.what());
+    }
+  } catch (const gloo::Exception& e) {
+    PyErr_SetString(g_gloo_error, e.what());
+  } catch (const gloo::EnforceNotMet& e) {
+    const std::string what = e.what();
+    if (what.find("Address already in use") != std::string::npos) {
+      PyErr_SetString(g_address_in_use_error, e.what());
+    } else {
+      PyErr_SetString(g_gloo_error, e.what());
+    }
+  }
+}
+
+enum class DType { F32, F64, I32, I64 };
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::F32: return "float32";
+    case DType::F64: return "float64";
+    case DType::I32: return "int32";
+    case DType::I64: return "int64";
+  }
+  return "?";
+}
+
+size_t dtype_size(DType t) {
+  return (t == DType::F32 || t == DType::I32) ? 4 : 8;
+}
+
+DType parse_dtype_name(const std::string& name) {
+  if (name == "float32" || name == "f" || name == "float") return DType::F32;
+  if (name == "float64" || name == "d" || name == "double") return DType::F64;
+  if (name == "int32" || name == "i") return DType::I32;
+  if (name == "int64" || name == "q") return DType::I64;
+  throw py::value_error("unsupported dtype '" + name +
+                        "'; use float32, float64, int32 or int64");
+}
+
+// A contiguous view of a Python buffer with its element type.
+struct View {
+  py::buffer_info info;
+  DType dtype;
+  void* ptr;
+  size_t count;   // elements
+  size_t nbytes;
+};
+
+View view_of(py::buffer obj, bool writable, const py::object& dtype_arg) {
+  py::buffer_info info = obj.request(writable);
+  // Contiguity: accept C-contiguous buffers only.
+  ssize_t expect = info.itemsize;
+  for (ssize_t d = info.ndim - 1; d >= 0; d--) {
+    if (info.shape[d] > 1 && info.strides[d] != expect) {
+      throw py::value_error("buffer must be C-contiguous");
+    }
+    expect *= info.shape[d];
+  }
+  const size_t nbytes = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+  DType dtype;
+  if (!dtype_arg.is_none()) {
+    dtype = parse_dtype_name(py::str(dtype_arg));
+  } else {
+    std::string fmt = info.format;
+    // Strip byte-order/alignment prefixes ('@', '=', '<').
+    while (!fmt.empty() && (fmt[0] == '@' || fmt[0] == '=' || fmt[0] == '<')) {
+      fmt.erase(0, 1);
+    }
+    const char c = fmt.size() == 1 ? fmt[0] : '\0';
+    if (c == 'f' && info.itemsize == 4) dtype = DType::F32;
+    else if (c == 'd' && info.itemsize == 8) dtype = DType::F64;
+    else if ((c == 'i' || c == 'l') && info.itemsize == 4) dtype = DType::I32;
+    else if ((c == 'q' || c == 'l') && info.itemsize == 8) dtype = DType::I64;
+    else {
+      throw py::value_error(
+          "cannot infer the element type of a buffer with format '" + info.format +
+          "'; pass dtype='float32'|'float64'|'int32'|'int64' (e.g. for a bytearray)");
+    }
+  }
+  if (nbytes % dtype_size(dtype) != 0) {
+    throw py::value_error("buffer size " + std::to_string(nbytes) +
+                          " is not a multiple of the " + dtype_name(dtype) + " element size");
+  }
+  View v{std::move(info), dtype, nullptr, nbytes / dtype_size(dtype), nbytes};
+  v.ptr = v.info.ptr;
+  return v;
+}
+
+template <typename T>
+gloo::AllreduceOptions::Func reduce_fn(const std::string& op) {
+  using F = void (*)(void*, const void*, const void*, size_t);
+  if (op == "sum") return static_cast<F>(&gloo::sum<T>);
+  if (op == "product" || op == "prod") return static_cast<F>(&gloo::product<T>);
+  if (op == "min") return static_cast<F>(&gloo::min<T>);
+  if (op == "max") return static_cast<F>(&gloo::max<T>);
+  throw py::value_error("unsupported reduce op '" + op + "'; use sum, product, min or max");
+}
+
+// Slots for point-to-point messages: a prefix no collective uses.
+constexpr uint64_t kP2PSlotPrefix = 0x20;
+uint64_t p2p_slot(uint32_t tag) {
+  return (kP2PSlotPrefix << 56) | static_cast<uint64_t>(tag);
+}
+
+std::chrono::milliseconds to_ms(double seconds, const char* what) {
+  if (!(seconds > 0) || !std::isfinite(seconds)) {
+    throw py::value_error(std::string(what) + " must be a positive number of seconds");
+  }
+  return std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000.0)));
+}
+
+class StorelessContext {
+ public:
+  StorelessContext(int rank, int size, uint32_t generation,
+                   std::vector<std::pair<std::string, int>> peers, double timeout,
+                   double connect_timeout, bool connect, double retry_delay_initial,
+                   double retry_delay_max, double bind_retry_timeout)
+      : rank_(rank), size_(size), generation_(generation), peers_(std::move(peers)) {
+    if (size < 1) throw py::value_error("size must be at least 1");
+    if (rank < 0 || rank >= size) {
+      throw py::value_error("rank " + std::to_string(rank) + " is outside 0.." +
+                            std::to_string(size - 1));
+    }
+    if (peers_.size() != static_cast<size_t>(size)) {
+      throw py::value_error("peers has " + std::to_string(peers_.size()) +
+                            " entries; expected one (host, port) per rank (" +
+                            std::to_string(size) + ")");
+    }
+    if (generation > gloo::transport::tcp::kMaxGeneration) {
+      throw py::value_error("generation must be below 2**31");
+    }
+    for (size_t i = 0; i < peers_.size(); i++) {
+      if (peers_[i].second < 1 || peers_[i].second > 65535) {
+        throw py::value_error("peers[" + std::to_string(i) + "] has invalid port " +
+                              std::to_string(peers_[i].second));
+      }
+    }
+    timeout_ = to_ms(timeout, "timeout");
+    options_.generation = generation;
+    options_.connectTimeout = to_ms(connect_timeout, "connect_timeout");
+    // Retry delays may be 0 (retry at once); they are clamped to 1 ms so
+    // that the active side never spins.
+    if (!(retry_delay_initial >= 0) || !(retry_delay_max >= 0)) {
+      throw py::value_error("retry delays must be non-negative numbers of seconds");
+    }
+    options_.retryDelayInitial =
+        to_ms(std::max(retry_delay_initial, 0.001), "retry_delay_initial");
+    options_.retryDelayMax = to_ms(std::max(retry_delay_max, 0.001), "retry_delay_max");
+    for (const auto& p : peers_) {
+      gloo::transport::StorelessPeer sp;
+      sp.host = p.first;
+      sp.port = p.second;
+      options_.peers.push_back(sp);
+    }
+
+    gloo::transport::tcp::attr attr;
+    attr.hostname = peers_[rank].first;
+    attr.port = peers_[rank].second;
+    attr.bindRetryTimeoutMs =
+        bind_retry_timeout <= 0 ? 0 : static_cast<int>(std::ceil(bind_retry_timeout * 1000.0));
+    context_ = std::make_shared<gloo::rendezvous::Context>(rank, size);
+    context_->setTimeout(timeout_);
+    {
+      py::gil_scoped_release nogil;
+      device_ = gloo::transport::tcp::CreateDevice(attr);
+    }
+    if (connect) {
+      this->connect();
+    }
+  }
+
+  ~StorelessContext() {
+    try {
+      py::gil_scoped_release nogil;
+      shutdown("context destroyed", true);
+    } catch (...) {
+    }
+  }
+
+  void connect() {
+    std::shared_ptr<gloo::rendezvous::Context> ctx;
+    std::shared_ptr<gloo::transport::Device> dev;
+    {
+      std::lock_guard<std::mutex> guard(state_);
+      if (closed_) throw_closed();
+      if (connect_started_) {
+        throw py::value_error("connect() was already called on this context");
+      }
+      connect_started_ = true;
+      ctx = context_;
+      dev = device_;
+    }
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> op(op_);
+    ctx->connectFullMeshStoreless(options_, dev);
+    connected_ = true;
+  }
+
+  void abort(const std::string& reason) {
+    py::gil_scoped_release nogil;
+    std::shared_ptr<gloo::rendezvous::Context> ctx;
+    std::shared_ptr<gloo::transport::Device> dev;
+    {
+      std::lock_guard<std::mutex> guard(state_);
+      ctx = context_;
+      dev = device_;
+    }
+    if (ctx) ctx->abort(reason);
+    // Free the port even if connect never started.
+    if (dev) std::static_pointer_cast<gloo::transport::tcp::Device>(dev)->shutdown();
+  }
+
+  // Close: when no operation is running, close the connections gracefully
+  // (peers still receive what was sent, then end-of-file); otherwise abort
+  // first.  Then release the device (frees the port, joins its event-loop
+  // thread).
+  void close() {
+    py::gil_scoped_release nogil;
+    shutdown("context closed", true);
+  }
+
+  bool aborted() {
+    std::lock_guard<std::mutex> guard(state_);
+    return closed_ || (context_ && context_->isAborted());
+  }
+
+  size_t rejected_connections() {
+    std::shared_ptr<gloo::transport::Device> dev;
+    {
+      std::lock_guard<std::mutex> guard(state_);
+      dev = device_;
+    }
+    if (!dev) return rejected_at_close_;
+    return std::static_pointer_cast<gloo::transport::tcp::Device>(dev)->rejectedConnections();
+  }
+
+  void allreduce(py::buffer buf, const std::string& op, const py::object& dtype) {
+    View v = view_of(buf, true, dtype);
+    gloo::AllreduceOptions::Func fn;
+    switch (v.dtype) {
+      case DType::F32: fn = reduce_fn<float>(op); break;
+      case DType::F64: fn = reduce_fn<double>(op); break;
+      case DType::I32: fn = reduce_fn<int32_t>(op); break;
+      case DType::I64: fn = reduce_fn<int64_t>(op); break;
+    }
+    run([&](const std::shared_ptr<gloo::Context>& ctx) {
+      if (v.count == 0) return;
+      gloo::AllreduceOptions opts(ctx);
+      switch (v.dtype) {
+        case DType::F32: opts.setOutput(static_cast<float*>(v.ptr), v.count); break;
+        case DType::F64: opts.setOutput(static_cast<double*>(v.ptr), v.count); break;
+        case DType::I32: opts.setOutput(static_cast<int32_t*>(v.ptr), v.count); break;
+        case DType::I64: opts.setOutput(static_cast<int64_t*>(v.ptr), v.count); break;
+      }
+      opts.setReduceFunction(fn);
+      opts.setTimeout(timeout_);
+      gloo::allreduce(opts);
+    });
+  }
+
+  void broadcast_bytes(py::buffer buf, int root) {
+    check_rank(root, "root");
+    py::buffer_info info = buf.request(true);
+    void* ptr = info.ptr;
+    const size_t nbytes = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+    run([&](const std::shared_ptr<gloo::Context>& ctx) {
+      if (nbytes == 0) return;
+      gloo::BroadcastOptions opts(ctx);
+      opts.setOutput(static_cast<uint8_t*>(ptr), nbytes);
+      opts.setRoot(root);
+      opts.setTimeout(timeout_);
+      gloo::broadcast(opts);
+    });
+  }
+
+  void allgather(py::buffer input, py::buffer output) {
+    py::buffer_info in = input.request(false);
+    py::buffer_info out = output.request(true);
+    const size_t in_bytes = static_cast<size_t>(in.size) * static_cast<size_t>(in.itemsize);
+    const size_t out_bytes = static_cast<size_t>(out.size) * static_cast<size_t>(out.itemsize);
+    if (out_bytes != in_bytes * static_cast<size_t>(size_)) {
+      throw py::value_error("allgather output has " + std::to_string(out_bytes) +
+                            " bytes; expected size * input = " +
+                            std::to_string(in_bytes * size_));
+    }
+    void* in_ptr = in.ptr;
+    void* out_ptr = out.ptr;
+    run([&](const std::shared_ptr<gloo::Context>& ctx) {
+      if (in_bytes == 0) return;
+      gloo::AllgatherOptions opts(ctx);
+      opts.setInput(static_cast<uint8_t*>(in_ptr), in_bytes);
+      opts.setOutput(static_cast<uint8_t*>(out_ptr), out_bytes);
+      opts.setTimeout(timeout_);
+      gloo::allgather(opts);
+    });
+  }
+
+  void barrier() {
+    run([&](const std::shared_ptr<gloo::Context>& ctx) {
+      gloo::BarrierOptions opts(ctx);
+      opts.setTimeout(timeout_);
+      gloo::barrier(opts);
+    });
+  }
+
+  void send(py::buffer buf, int dst, uint32_t tag) {
+    check_peer(dst, "dst");
+    py::buffer_info info = buf.request(false);
+    void* ptr = info.ptr;
+    const size_t nbytes = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+    run([&](const std::shared_ptr<gloo::Context>& ctx) {
+      auto ubuf = ctx->createUnboundBuffer(ptr, nbytes);
+      ubuf->send(dst, p2p_slot(tag));
+      ubuf->waitSend(timeout_);
+    });
+  }
+
+  void recv(py::buffer buf, int src, uint32_t tag) {
+    check_peer(src, "src");
+    py::buffer_info info = buf.request(true);
+    void* ptr = info.ptr;
+    const size_t nbytes = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+    run([&](const std::shared_ptr<gloo::Context>& ctx) {
+      auto ubuf = ctx->createUnboundBuffer(ptr, nbytes);
+      ubuf->recv(src, p2p_slot(tag));
+      ubuf->waitRecv(timeout_);
+    });
+  }
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  uint32_t generation() const { return generation_; }
+  const std::vector<std::pair<std::string, int>>& peers() const { return peers_; }
+  double timeout() const { return timeout_.count() / 1000.0; }
+  double connect_timeout() const { return options_.connectTimeout.count() / 1000.0; }
+  bool connected() const { return connected_; }
+
+ private:
+  [[noreturn]] void throw_closed() {
+    throw gloo::AbortedException("hpct context is closed (rank " + std::to_string(rank_) +
+                                 ", generation " + std::to_string(generation_) + ")");
+  }
+
+  void check_rank(int r, const char* what) const {
+    if (r < 0 || r >= size_) {
+      throw py::value_error(std::string(what) + "=" + std::to_string(r) + " is outside 0.." +
+                            std::to_string(size_ - 1));
+    }
+  }
+
+  void check_peer(int r, const char* what) const {
+    check_rank(r, what);
+    if (r == rank_) {
+      throw py::value_error(std::string(what) + " must be another rank than this one (" +
+                            std::to_string(rank_) + ")");
+    }
+  }
+
+  // Run one blocking operation without the GIL, one at a time.
+  template <typename F>
+  void run(F&& body) {
+    std::shared_ptr<gloo::rendezvous::Context> ctx;
+    {
+      std::lock_guard<std::mutex> guard(state_);
+      if (closed_) throw_closed();
+      if (!connected_) {
+        throw py::value_error("the context is not connected; call connect() first");
+      }
+      ctx = context_;
+    }
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> op(op_);
+    std::shared_ptr<gloo::Context> base = ctx;
+    body(base);
+  }
+
+  void shutdown(const std::string& reason, bool graceful) {
+    std::shared_ptr<gloo::rendezvous::Context> ctx;
+    std::shared_ptr<gloo::transport::Device> dev;
+    {
+      std::lock_guard<std::mutex> guard(state_);
+      if (closed_) return;
+      closed_ = true;
+      ctx = context_;
+      dev = device_;
+    }
+    std::unique_lock<std::mutex> op(op_, std::defer_lock);
+    if (!graceful || !op.try_lock()) {
+      // An operation (or the connect) is running: abort it, then wait
+      // for it to return.
+      if (ctx) ctx->abort(reason);
+      if (dev) std::static_pointer_cast<gloo::transport::tcp::Device>(dev)->shutdown();
+      op.lock();
+    }
+    if (dev) {
+      rejected_at_close_ =
+          std::static_pointer_cast<gloo::transport::tcp::Device>(dev)->rejectedConnections();
+    }
+    std::lock_guard<std::mutex> guard(state_);
+    ctx.reset();
+    dev.reset();
+    context_.reset();  // destroys pairs, then the device and its loop thread
+    device_.reset();
+  }
+
+  const int rank_;
+  const int size_;
+  const uint32_t generation_;
+  const std::vector<std::pair<std::string, int>> peers_;
+  std::chrono::milliseconds timeout_{0};
+  gloo::transport::StorelessOptions options_;
+
+  std::mutex state_;  // guards the fields below (never held while blocking)
+  std::shared_ptr<gloo::rendezvous::Context> context_;
+  std::shared_ptr<gloo::transport::Device> device_;
+  bool closed_ = false;
+  bool connect_started_ = false;
+  std::atomic<bool> connected_{false};
+  size_t rejected_at_close_ = 0;
+
+  std::mutex op_;  // serialises blocking operations
+};
+
+}  // namespace
+
+void bind_context(py::module_& m) {
+  PyObject* runtime_error = PyExc_RuntimeError;
+  g_gloo_error = make_exception(m, "GlooError", runtime_error,
+                                "Base class of every error raised by hpct._gloo.");
+  g_aborted_error = make_exception(m, "AbortedError", g_gloo_error,
+                                   "The context was aborted (Context.abort or close); "
+                                   "the message carries the reason.");
+  {
+    py::tuple bases = py::make_tuple(py::handle(g_gloo_error), py::handle(PyExc_TimeoutError));
+    g_connect_timeout_error = make_exception(
+        m, "ConnectTimeoutError", bases.ptr(),
+        "The storeless connect did not complete by its deadline; the message names the "
+        "ranks still missing.");
+  }
+  {
+    py::tuple bases = py::make_tuple(py::handle(g_gloo_error), py::handle(PyExc_ConnectionError));
+    g_peer_error = make_exception(
+        m, "PeerError", bases.ptr(),
+        "A connection to a peer failed (peer died, reset, closed); the message names the peer "
+        "rank.");
+  }
+  m.attr("IoError") = py::handle(g_peer_error);
+  {
+    py::tuple bases = py::make_tuple(py::handle(g_peer_error), py::handle(PyExc_TimeoutError));
+    g_op_timeout_error = make_exception(m, "OpTimeoutError", bases.ptr(),
+                                        "An operation did not complete within the op timeout.");
+  }
+  {
+    py::tuple bases = py::make_tuple(py::handle(g_gloo_error), py::handle(PyExc_OSError));
+    g_address_in_use_error = make_exception(
+        m, "AddressInUseError", bases.ptr(),
+        "The listening port stayed in use for the whole bind retry window.");
+  }
+  py::register_exception_translator(&translate);
+
+  py::class_<StorelessContext>(m, "Context", R"doc(
+A storeless Gloo context: full mesh over TCP, no store, no root.
+
+Context(rank, size, generation, peers, timeout=30.0, connect_timeout=60.0,
+        connect=True, retry_delay_initial=0.01, retry_delay_max=0.5,
+        bind_retry_timeout=2.0)
+
+peers[i] is (host, port) where rank i listens; peers[rank] is this process's own
+listening address (bound exactly).  The generation (< 2**31) is carried in every
+connection handshake: connections of another generation are rejected.  timeout is
+the op timeout in seconds; connect_timeout the deadline for the whole connect.
+With connect=False call connect() later (e.g. in a thread, to abort it).
+Every blocking method releases the GIL; abort() may be called from any thread.
+)doc")
+      .def(py::init<int, int, uint32_t, std::vector<std::pair<std::string, int>>, double, double,
+                    bool, double, double, double>(),
+           py::arg("rank"), py::arg("size"), py::arg("generation"), py::arg("peers"),
+           py::arg("timeout") = 30.0, py::arg("connect_timeout") = 60.0,
+           py::arg("connect") = true, py::arg("retry_delay_initial") = 0.01,
+           py::arg("retry_delay_max") = 0.5, py::arg("bind_retry_timeout") = 2.0)
+      .def("connect", &StorelessContext::connect,
+           "Connect the full mesh (blocks until every peer is connected or the connect "
+           "deadline passes: ConnectTimeoutError naming the missing ranks).")
+      .def("abort", &StorelessContext::abort, py::arg("reason") = "aborted by the application",
+           "Abort: every waiting and later op raises AbortedError; connections are reset; "
+           "the listening port is freed. Idempotent; bounded; callable from any thread.")
+      .def("close", &StorelessContext::close,
+           "Abort if needed, wait for a running op to return, release the device.")
+      .def("allreduce", &StorelessContext::allreduce, py::arg("buffer"), py::arg("op") = "sum",
+           py::arg("dtype") = py::none(),
+           "In-place allreduce of a writable buffer (float32/float64/int32/int64, inferred from "
+           "the buffer format or given as dtype); op is sum, product, min or max.")
+      .def("broadcast", &StorelessContext::broadcast_bytes, py::arg("buffer"), py::arg("root"),
+           "In-place broadcast of a writable buffer from rank root.")
+      .def("allgather", &StorelessContext::allgather, py::arg("input"), py::arg("output"),
+           "Gather every rank's input into output (size * len(input) bytes), in rank order.")
+      .def("barrier", &StorelessContext::barrier)
+      .def("send", &StorelessContext::send, py::arg("buffer"), py::arg("dst"),
+           py::arg("tag") = 0, "Send a buffer to rank dst (blocks until sent).")
+      .def("recv", &StorelessContext::recv, py::arg("buffer"), py::arg("src"),
+           py::arg("tag") = 0, "Receive into a writable buffer from rank src.")
+      .def_property_readonly("rank", &StorelessContext::rank)
+      .def_property_readonly("size", &StorelessContext::size)
+      .def_property_readonly("generation", &StorelessContext::generation)
+      .def_property_readonly("peers", &StorelessContext::peers)
+      .def_property_readonly("timeout", &StorelessContext::timeout)
+      .def_property_readonly("connect_timeout", &StorelessContext::connect_timeout)
+      .def_property_readonly("connected", &StorelessContext::connected)
+      .def_property_readonly("aborted", &StorelessContext::aborted)
+      .def_property_readonly("rejected_connections", &StorelessContext::rejected_connections,
+                             "Connections of another generation rejected by this listener.")
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](StorelessContext& self, py::args) {
+        self.close();
+        return false;
+      });
+}
+
 }  // namespace hpct
