@@ -63,6 +63,8 @@ VARIABLES: tuple[Var, ...] = (
         help="file with one node address per line (# comments); exclusive with HPCT_HOSTS"),
     Var("HPCT_CONNECT_TIMEOUT", "connect_timeout", "float", 300.0, 0.001, 86400.0,
         help="seconds to keep connecting to peers before start-up fails"),
+    Var("HPCT_GENERATION", "generation", "int", 0, 0, (1 << 31) - 1,
+        help="membership generation a process starts in (a replacement joins at the survivors' next one)"),
     Var("RANK", "rank", "int", None, 0, 1 << 24, help="global rank (set by torchrun)"),
     Var("LOCAL_RANK", "local_rank", "int", None, 0, 1023, help="rank on this node (set by torchrun)"),
     Var("WORLD_SIZE", "world_size", "int", None, 1, 1 << 24, help="number of ranks (set by torchrun)"),
@@ -173,6 +175,7 @@ class Config:
     init_barrier: bool = False
     hosts: tuple[str, ...] = DEFAULT_HOSTS
     connect_timeout: float = 300.0         # seconds
+    generation: int = 0                    # bumped by each in-process recovery
     rank: int | None = None
     local_rank: int | None = None
     world_size: int | None = None

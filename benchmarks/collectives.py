@@ -1,0 +1,109 @@
+"""Collectives: all_reduce and all_gather, hpct vs stock ProcessGroupGloo, same ranks, same run.
+
+Every rank holds both groups: hpct's world (rootless) and a ProcessGroupGloo made through
+a FileStore, and times the same op on the same float32 buffer on each, alternating.
+Latency is the median over iterations (after one warm-up); bandwidth is the algorithm
+bandwidth (message size / latency; for all_gather the per-rank input size).
+
+    python benchmarks/collectives.py [--n 2,4] [--sizes 4,65536,1048576,16777216,67108864]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions  # noqa: E402
+
+import hpct.distributed as hd  # noqa: E402
+from hpct.distributed import measure as _bench  # noqa: E402
+
+SIZES = [4, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
+
+
+def label(nbytes: int) -> str:
+    for unit, div in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= div:
+            return f"{nbytes // div} {unit}"
+    return f"{nbytes} B"
+
+
+def iterations(nbytes: int, budget: float) -> int:
+    return max(3, min(200, int(budget / (1e-4 + nbytes / 2e8))))
+
+
+def rank_fn(rank, n, base, store_path, sizes, budget):
+    _bench.hpct_env(rank, n, base)
+    hd.init_process_group(timeout=300)
+    hp = dist.group.WORLD
+    store = dist.FileStore(store_path, n)
+    gl = dist.ProcessGroupGloo(store, rank, n, datetime.timedelta(seconds=300))
+    out = {}
+    for nbytes in sizes:
+        numel = max(nbytes // 4, 1)
+        x = torch.ones(numel)
+        gathered = torch.empty(numel * n)
+        iters = iterations(nbytes * n, budget)
+        for op in ("all_reduce", "all_gather"):
+            times = {"hpct": [], "gloo": []}
+            for i in range(iters + 1):
+                for name, pg in (("hpct", hp), ("gloo", gl)):
+                    gl_barrier = pg.barrier()
+                    gl_barrier.wait()
+                    t0 = time.perf_counter()
+                    if op == "all_reduce":
+                        pg.allreduce([x], AllreduceOptions()).wait()
+                    else:
+                        pg._allgather_base(gathered, x, AllgatherOptions()).wait()
+                    if i:
+                        times[name].append(time.perf_counter() - t0)
+                    x.fill_(1)
+            out[f"{op}/{nbytes}"] = {k: _bench.median(v) for k, v in times.items()}
+    try:
+        dist.barrier()
+        gl.barrier().wait()
+    except Exception:  # noqa: BLE001
+        pass
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", default="2,4")
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="message sizes in bytes")
+    ap.add_argument("--budget", type=float, default=1.0, help="target seconds per (op, size, backend)")
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    rows = []
+    for n in [int(x) for x in args.n.split(",")]:
+        with tempfile.TemporaryDirectory() as tmp:
+            ranks = _bench.Ranks(deadline_s=600)
+            base = _bench.free_port_block(8 * n)
+            for r in range(n):
+                ranks.fork(r, rank_fn, r, n, base, os.path.join(tmp, "store"), sizes, args.budget)
+            res = ranks.collect()
+        _bench.check(res, f"N={n}")
+        for op in ("all_reduce", "all_gather"):
+            for nbytes in sizes:
+                key = f"{op}/{nbytes}"
+                h = max(res[r][key]["hpct"] for r in range(n))
+                g = max(res[r][key]["gloo"] for r in range(n))
+                rows.append([op, n, label(nbytes), f"{h * 1e6:.0f}", f"{g * 1e6:.0f}",
+                             f"{nbytes / h / 1e6:.1f}", f"{nbytes / g / 1e6:.1f}", f"{g / h:.2f}"])
+        print(f"  N={n} done", file=sys.stderr, flush=True)
+    print(_bench.table(["op", "N", "size", "hpct us", "gloo us", "hpct MB/s", "gloo MB/s",
+                        "hpct/gloo bw (= gloo/hpct latency)"], rows,
+                       f"Collectives: hpct vs ProcessGroupGloo, float32, median latency, max over ranks "
+                       f"({os.cpu_count()} CPUs, torch {torch.__version__})"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

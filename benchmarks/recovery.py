@@ -1,0 +1,60 @@
+"""Recovery: a rank is SIGKILLed -> first successful all_reduce of the rebuilt group (max over ranks).
+
+Three ways, in the same run, N ranks on this machine, the last rank killed while every
+rank runs all_reduce in a loop; a replacement rank is started at once (forked from a warm
+parent, as a spare would be):
+- hpct in-process: survivors see the failure (Gloo fails the whole storeless context at
+  once), call hpct.distributed.recover() (abort, generation + 1, rootless connect);
+- stock in-process: survivors wait for their all_reduce to fail (a dead neighbour is seen at
+  once, any other rank waits for the op timeout, --stock-timeout), destroy_process_group(),
+  and init again through a new TCPStore;
+- stock full restart (what torchrun does): every process is killed and N fresh Python
+  processes import torch, rendezvous through a TCPStore and run the all_reduce.
+
+    python benchmarks/recovery.py [--n 4,8,16] [--stock-timeout 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+import hpct.distributed  # noqa: E402,F401  (registers the backend before forking)
+from hpct.distributed import measure as m  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", default="4,8,16", help="comma list of world sizes")
+    ap.add_argument("--stock-timeout", type=float, default=5.0,
+                    help="op timeout of the stock process groups (seconds)")
+    ap.add_argument("--json", help="also write the numbers to this file")
+    args = ap.parse_args(argv)
+    rows, data = [], []
+    for n in [int(x) for x in args.n.split(",")]:
+        h = m.recovery_in_process("hpct", n, args.stock_timeout)
+        s = m.recovery_in_process("stock", n, args.stock_timeout)
+        f = m.full_restart(n)
+        rows.append([n, f"{h * 1000:.0f}", f"{s * 1000:.0f}", f"{s / h:.1f}x", f"{f * 1000:.0f}", f"{f / h:.1f}x"])
+        data.append({"n": n, "hpct_s": h, "stock_inprocess_s": s, "stock_restart_s": f})
+        print(f"  N={n}: hpct {h:.3f} s, stock in-process {s:.3f} s, full restart {f:.3f} s",
+              file=sys.stderr, flush=True)
+    print(m.table(["N", "hpct in-process (ms)", "stock in-process (ms)", "stock/hpct",
+                        "stock full restart (ms)", "restart/hpct"], rows,
+                       f"Recovery: SIGKILL of one rank -> first all_reduce of the rebuilt group, max over ranks "
+                       f"({os.cpu_count()} CPUs, torch {torch.__version__}, stock op timeout "
+                       f"{args.stock_timeout:g} s)"))
+    if args.json:
+        Path(args.json).write_text(json.dumps(data, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

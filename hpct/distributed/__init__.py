@@ -1,0 +1,30 @@
+"""hpct's c10d backend for stock PyTorch: rootless, TCPStore-less, abortable, recoverable.
+
+Importing this module registers the ``hpct`` backend (CPU tensors) with
+``torch.distributed``.  Two ways to start::
+
+    import hpct.distributed as hd
+    hd.init_process_group()                    # RANK/WORLD_SIZE + the port plan; no store
+    # or, the documented torch form (the store is accepted and never used):
+    torch.distributed.init_process_group("hpct", store=torch.distributed.HashStore(),
+                                         rank=rank, world_size=world_size)
+
+After a failure (an op raised ``HpctError``), every survivor calls ``hd.recover()`` and a
+replacement process starts with the same RANK and ``HPCT_GENERATION`` set to the survivors'
+new generation; ``hd.broadcast_state(model, optimizer, src=hd.healthy_source(...))`` then
+re-synchronises the state.
+"""
+
+from __future__ import annotations
+
+from .backend import BACKEND_NAME, HpctProcessGroup
+from .work import HpctError, HpctWork
+from .state import broadcast_object, broadcast_state, healthy_source
+from .world import (abort_all, generation, init_process_group, last_connect_seconds, live_groups,
+                    recover, register, shutdown_all)
+
+register()
+
+__all__ = ["BACKEND_NAME", "HpctError", "HpctProcessGroup", "HpctWork", "abort_all", "broadcast_object",
+           "broadcast_state", "generation", "healthy_source", "init_process_group",
+           "last_connect_seconds", "live_groups", "recover", "shutdown_all"]

@@ -1,0 +1,166 @@
+"""One training rank for the recovery tests, the demo and the benchmark (python -m).
+
+    python -m hpct.distributed.trainer train OUT_DIR --steps S [--hang RANK:STEP:GEN ...] [--replacement]
+
+Configuration comes from the environment: RANK, WORLD_SIZE, N_PROC_PER_NODE,
+HPCT_PORT_BASE, HPCT_CONNECT_TIMEOUT, HPCT_GENERATION.  Every rank writes
+OUT_DIR/rank<R>-<pid>.json (events) and OUT_DIR/params-<R>.pt (final parameters).
+
+train: a small MLP under DistributedDataParallel with Adam; the batch of step s on rank r
+is a pure function of (r, s).  Step semantics: a step is forward, backward (the gradient
+allreduce), optimizer.step; if the allreduce fails, no rank has stepped, so after the
+in-process recovery the same step is done again and a run with faults ends with exactly
+the parameters of a run without (see wrap() for the one DDP setting this needs).
+--hang R:K:G: rank R, in generation G, writes OUT_DIR/hang-<R>-<G> before step K's backward
+and waits there (the harness SIGKILLs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import hpct.distributed as hd
+
+
+def model_and_optimizer():
+    torch.manual_seed(1234)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def wrap(model):
+    # find_unused_parameters=True keeps DDP's first bucket layout for the whole run (no
+    # rebuild after iteration 1).  A DDP built after a recovery then reduces every element
+    # at the same position, hence in the same order, as the DDP of a run without faults:
+    # the condition for bit-identical parameters.
+    return nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+
+
+def rejoin(log, model, opt, step, *, healthy, recover_first, args):
+    """Recover (unless this is a replacement's first join) and re-sync state; retried on faults."""
+    t0 = time.time()
+    for attempt in range(args.max_recoveries):
+        try:
+            if recover_first or attempt:
+                hd.recover()
+            t_rec = time.time()
+            src = hd.healthy_source(healthy)
+            extra = hd.broadcast_state(model, opt, src=src, extra={"step": step} if healthy else None)
+            ddp = wrap(model)
+            log.event("recovered" if healthy else "synced", step=extra["step"],
+                      generation=hd.generation(), src=src, recover_s=t_rec - t0, total_s=time.time() - t0)
+            return extra["step"], ddp
+        except Exception as err:    # a fault during recovery: move on to the next generation
+            log.event("recover_failed", step=step, error=str(err)[:2000], type=type(err).__name__,
+                      generation=hd.generation())
+            if attempt == args.max_recoveries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(100_003 * step + rank)
+    x = torch.randn(8, 16, generator=g)
+    y = torch.randn(8, 4, generator=g)
+    return x, y
+
+
+class Log:
+    def __init__(self, out: Path, rank: int):
+        self.path = out / f"rank{rank}-{os.getpid()}.json"
+        self.data = {"rank": rank, "pid": os.getpid(), "events": []}
+
+    def event(self, what: str, **kw):
+        self.data["events"].append({"what": what, "t": time.time(), **kw})
+        self.flush()
+
+    def flush(self):
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data))
+        tmp.replace(self.path)
+
+
+def train(args) -> int:
+    out = Path(args.out)
+    rank = int(os.environ["RANK"])
+    log = Log(out, rank)
+    log.event("start", generation=int(os.environ.get("HPCT_GENERATION", "0") or 0))
+    hd.init_process_group(timeout=args.op_timeout)
+    log.event("connected", generation=hd.generation())
+    model, opt = model_and_optimizer()
+    step = 0
+    ddp = None
+    if args.replacement:
+        step, ddp = rejoin(log, model, opt, step, healthy=False, recover_first=False, args=args)
+    else:
+        ddp = wrap(model)
+    loss_fn = nn.MSELoss()
+    while step < args.steps:
+        opt.zero_grad(set_to_none=True)
+        x, y = batch(rank, step)
+        try:
+            loss = loss_fn(ddp(x), y)
+            if (rank, step, hd.generation()) in args.hang:
+                (out / f"hang-{rank}-{hd.generation()}").write_text(str(os.getpid()))
+                log.event("hanging", step=step)
+                while True:
+                    time.sleep(1)
+            loss.backward()
+        except Exception as err:     # the gradient allreduce failed: a peer is gone
+            log.event("failure", step=step, error=str(err)[:2000], type=type(err).__name__,
+                      generation=hd.generation())
+            if args.no_recover:
+                raise
+            del ddp
+            step, ddp = rejoin(log, model, opt, step, healthy=True, recover_first=True, args=args)
+            continue
+        opt.step()
+        step += 1
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, out / f"params-{rank}.pt")
+    log.event("done", step=step, generation=hd.generation())
+    if args.fast_exit:
+        # Leave without tearing the mesh down (a peer that exits first may reset the last
+        # barrier: that is not a training failure).
+        try:
+            dist.barrier()
+        except Exception:   # noqa: BLE001
+            pass
+        sys.stdout.flush()
+        os._exit(0)
+    dist.barrier()
+    hd.shutdown_all()
+    return 0
+
+
+def main(argv=None) -> int:
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train")
+    t.add_argument("out")
+    t.add_argument("--steps", type=int, default=8)
+    t.add_argument("--hang", action="append", default=[], type=lambda v: tuple(int(x) for x in v.split(":")),
+                   metavar="RANK:STEP:GEN")
+    t.add_argument("--replacement", action="store_true")
+    t.add_argument("--no-recover", action="store_true")
+    t.add_argument("--max-recoveries", type=int, default=3)
+    t.add_argument("--op-timeout", type=float, default=30.0)
+    t.add_argument("--fast-exit", action="store_true", help="os._exit after the last barrier, no tear-down")
+    args = ap.parse_args(argv)
+    return train(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

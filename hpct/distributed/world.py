@@ -1,0 +1,259 @@
+"""Rootless start-up, group slots and in-process recovery for the ``hpct`` backend.
+
+Start-up: every process derives every peer's (host, port) from the configuration and the
+port plan (DESIGN.md) and connects the full mesh directly; no TCPStore is created, nothing
+listens on MASTER_PORT and rank 0 may start last.  Torch still wants a store object, so a
+process-local ``HashStore`` stands in; it is never shared.
+
+Groups: the default group is index 0; each ``dist.new_group`` takes torch's next group
+index ``g`` (its group name) and listens on slot ``g mod HPCT_PORT_SLOTS``.  Group ranks map
+to global ranks, global rank ``r`` lives on ``hosts[r // P]`` at ``B + (g mod S)*P + r % P``.
+
+Recovery: ``recover()`` aborts every hpct group of this process (bounded, even with an op
+in flight on another thread and a stopped peer), destroys torch's world (which resets the
+group counter), bumps the generation and rebuilds the world with the membership the caller
+gives.  Connections of another generation are refused by Gloo, so a straggler from the old
+membership can never join the new one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from .. import _gloo
+from ..config import Config
+from ..errors import ConfigError, PortPlanError, RendezvousError
+from ..ports import host_of, port_of
+from .backend import BACKEND_NAME, HpctProcessGroup
+
+_LOCK = threading.RLock()
+
+
+class _State:
+    config: Config | None = None
+    generation: int | None = None
+    rank: int | None = None
+    world_size: int | None = None
+    timeout: datetime.timedelta | None = None
+    groups: list = []            # live HpctProcessGroup objects
+    connecting: list = []        # contexts still connecting (abortable)
+    last_init_s: float | None = None     # seconds spent in the last world connect
+
+
+_state = _State()
+
+
+def _config() -> Config:
+    with _LOCK:
+        if _state.config is None:
+            _state.config = Config.from_mapping()
+        return _state.config
+
+
+def generation() -> int:
+    """The generation this process's groups use now."""
+    return _current_generation()
+
+
+def _current_generation() -> int:
+    with _LOCK:
+        if _state.generation is None:
+            _state.generation = _config().generation
+        return _state.generation
+
+
+def live_groups() -> list[HpctProcessGroup]:
+    with _LOCK:
+        return list(_state.groups)
+
+
+def _group_index(group_name: str) -> int:
+    if str(group_name).isdigit():
+        return int(group_name)
+    # A hashed name (use_local_synchronization=True): torch has already advanced the counter.
+    return max(c10d._world.group_count - 1, 0)
+
+
+def _create(dist_opts, backend_options=None):
+    """The c10d creator (extended API): build and connect one storeless context."""
+    cfg = _config()
+    gen = _current_generation()
+    group_rank, group_size = dist_opts.group_rank, dist_opts.group_size
+    global_ranks = list(dist_opts.global_ranks_in_group) or list(range(group_size))
+    name = str(dist_opts.group_id)
+    index = _group_index(name)
+    p, s = cfg.nproc_per_node, cfg.port_slots
+    with _LOCK:
+        for pg in _state.groups:
+            if pg.group_index % s == index % s:
+                raise PortPlanError(
+                    f"group {name} (index {index}) needs port slot {index % s}, still held by live "
+                    f"group {pg.hpct_group_name} (index {pg.group_index}); HPCT_PORT_SLOTS={s} groups "
+                    f"may be alive at once",
+                    fix="destroy groups you no longer need, or raise HPCT_PORT_SLOTS on every rank")
+    try:
+        peers = [(host_of(cfg.hosts, r, p), port_of(cfg.gloo_port_base, index, r % p, p, s))
+                 for r in global_ranks]
+    except PortPlanError as err:
+        raise ConfigError(f"cannot place group {name} of {group_size} ranks: {err.problem}",
+                          fix="set N_PROC_PER_NODE (or LOCAL_WORLD_SIZE) and HPCT_HOSTS/HPCT_HOSTFILE "
+                              "so that every rank has a node") from None
+    timeout = dist_opts.timeout.total_seconds() if dist_opts.timeout else 1800.0
+    retry_max = cfg.socket_retry_delay / 1000.0
+    try:
+        ctx = _gloo.Context(group_rank, group_size, gen, peers, timeout=timeout,
+                            connect_timeout=cfg.connect_timeout, connect=False,
+                            retry_delay_initial=min(0.002, retry_max), retry_delay_max=retry_max)
+    except _gloo.AddressInUseError as err:
+        host, port = peers[group_rank]
+        raise PortPlanError(
+            f"group {name}: global rank {global_ranks[group_rank]} cannot listen on {host}:{port} "
+            f"(port slot {index % s}): {err}",
+            fix="another process holds the port: stop it, run `hpct ports check`, or move the plan "
+                "with HPCT_PORT_BASE") from None
+    with _LOCK:
+        _state.connecting.append(ctx)
+    t0 = time.perf_counter()
+    try:
+        ctx.connect()
+    except _gloo.ConnectTimeoutError as err:
+        ctx.close()
+        raise RendezvousError(
+            f"group {name} (generation {gen}): global rank {global_ranks[group_rank]} could not connect "
+            f"to every peer within HPCT_CONNECT_TIMEOUT={cfg.connect_timeout:g} s: {err}",
+            fix="start the missing ranks (a replacement must join with HPCT_GENERATION set to the "
+                "survivors' generation), or raise HPCT_CONNECT_TIMEOUT") from None
+    except BaseException:
+        ctx.close()
+        raise
+    finally:
+        with _LOCK:
+            if ctx in _state.connecting:
+                _state.connecting.remove(ctx)
+    _disable_store_barrier()
+    if cfg.init_barrier:
+        try:
+            ctx.barrier()
+        except BaseException:
+            ctx.close()
+            raise
+    pg = HpctProcessGroup(ctx, group_name=name, group_index=index, global_ranks=global_ranks)
+    pg.on_shutdown = _forget
+    with _LOCK:
+        _state.groups.append(pg)
+        if index == 0:
+            _state.last_init_s = time.perf_counter() - t0
+            if _state.rank is None:       # started through torch's own init_process_group
+                _state.rank, _state.world_size = global_ranks[group_rank], group_size
+                _state.timeout = dist_opts.timeout
+    return pg
+
+
+def _forget(pg: HpctProcessGroup) -> None:
+    with _LOCK:
+        if pg in _state.groups:
+            _state.groups.remove(pg)
+
+
+def register() -> None:
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+
+
+def _disable_store_barrier() -> None:
+    # torch's TORCH_DIST_INIT_BARRIER barrier (read after the creator returns) goes through the
+    # store, a process-local placeholder here: it would wait for the timeout.  hpct has read the
+    # variable (Config.init_barrier) and runs a real barrier on each new group instead.
+    os.environ.pop("TORCH_DIST_INIT_BARRIER", None)
+
+
+def init_process_group(rank: int | None = None, world_size: int | None = None, *,
+                       timeout: datetime.timedelta | float | None = None,
+                       config: Config | None = None, generation: int | None = None):
+    """Start the default group rootlessly from the configuration; returns the world group.
+
+    rank/world_size default to RANK/WORLD_SIZE; timeout (seconds or timedelta) is the op
+    timeout; the connect deadline is HPCT_CONNECT_TIMEOUT; generation defaults to
+    HPCT_GENERATION (or the current one after a recovery).
+    """
+    cfg = config or Config.from_mapping()
+    rank = cfg.rank if rank is None else rank
+    world_size = cfg.world_size if world_size is None else world_size
+    if rank is None or world_size is None:
+        raise ConfigError("hpct.distributed.init_process_group needs the rank and the world size",
+                          fix="pass rank= and world_size=, or set RANK and WORLD_SIZE (torchrun sets both)")
+    if isinstance(timeout, (int, float)):
+        timeout = datetime.timedelta(seconds=timeout)
+    with _LOCK:
+        _state.config = cfg
+        if generation is not None:
+            _state.generation = generation
+        elif _state.generation is None:
+            _state.generation = cfg.generation
+        _state.rank, _state.world_size = rank, world_size
+        _state.timeout = timeout
+    _disable_store_barrier()
+    if not dist.is_initialized():
+        c10d._world.group_count = 0      # a failed earlier attempt may have advanced it
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    dist.init_process_group(BACKEND_NAME, store=dist.HashStore(), rank=rank, world_size=world_size,
+                            **kwargs)
+    return dist.group.WORLD
+
+
+def abort_all(reason: str = "aborted by hpct.distributed.abort_all") -> int:
+    """Abort every hpct group (and connect in progress) of this process; bounded, any thread."""
+    with _LOCK:
+        groups, connecting = list(_state.groups), list(_state.connecting)
+    for pg in groups:
+        pg.abort(reason)
+    for ctx in connecting:
+        ctx.abort(reason)
+    return len(groups) + len(connecting)
+
+
+def shutdown_all(timeout: float = 10.0) -> None:
+    """Abort and release every hpct group, then forget torch's world (resets its group counter)."""
+    abort_all("shutting down")
+    for pg in live_groups():
+        pg.shutdown(timeout)
+        _forget(pg)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    c10d._world.group_count = 0
+
+
+def recover(world_size: int | None = None, rank: int | None = None, *, generation: int | None = None,
+            timeout: datetime.timedelta | float | None = None):
+    """Rebuild the world in this process with a new membership; returns the new world group.
+
+    Aborts and releases every hpct group (bounded), resets torch's group counter, moves to
+    ``generation`` (default: the current one + 1) and connects the world again from the same
+    port plan.  ``world_size``/``rank`` default to the current ones: survivors keep their
+    ranks and a replacement takes the failed rank (it starts with HPCT_GENERATION set to the
+    new generation).  Groups made with ``new_group`` must be made again, in the same order.
+    Raises RendezvousError when a member is missing at the connect deadline.
+    """
+    with _LOCK:
+        current = _current_generation()
+        rank = _state.rank if rank is None else rank
+        world_size = _state.world_size if world_size is None else world_size
+        timeout = _state.timeout if timeout is None else timeout
+        cfg = _config()
+    if rank is None or world_size is None:
+        raise ConfigError("recover() needs a world to rebuild: call init_process_group first, "
+                          "or pass rank= and world_size=", fix="pass rank= and world_size=")
+    shutdown_all()
+    new_gen = current + 1 if generation is None else generation
+    return init_process_group(rank, world_size, timeout=timeout, config=cfg, generation=new_gen)
+
+
+def last_connect_seconds() -> float | None:
+    """Seconds the last default-group connect took (for benchmarks and the demo)."""
+    return _state.last_init_s

@@ -1,0 +1,170 @@
+"""In-process recovery on the hpct backend: DDP training survives SIGKILLed ranks.
+
+The test plays the cluster agent (hpct.distributed.agent.Job): it starts 4 ranks of
+``python -m hpct.distributed.trainer``, SIGKILLs a rank while the others wait in the
+gradient allreduce, and starts a replacement with the same rank and the next generation.
+Survivors must recover in the same process, and the final parameters must be
+bit-identical on every rank and to a run without faults.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpct.distributed.agent import Job, free_port_block, trainer_argv
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+WORLD = 4
+STEPS = 8
+DEADLINE = 150.0   # every process of one job
+
+
+def job(out: Path, *args: str, connect_timeout: float = 30.0) -> Job:
+    out.mkdir(parents=True, exist_ok=True)
+    return Job(trainer_argv(out, "--steps", str(STEPS), *args), WORLD, free_port_block(8 * WORLD), out,
+               time.monotonic() + DEADLINE, env={"HPCT_CONNECT_TIMEOUT": str(connect_timeout)})
+
+
+def params(out: Path) -> list[dict]:
+    return [torch.load(out / f"params-{r}.pt") for r in range(WORLD)]
+
+
+def identical(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+        and a[k].contiguous().view(torch.uint8).equal(b[k].contiguous().view(torch.uint8)) for k in a)
+
+
+def events(j: Job) -> dict[int, list[dict]]:
+    """rank -> records (one per process that ran as that rank), in start order."""
+    out: dict[int, list[dict]] = {}
+    for rec in sorted(j.records(), key=lambda r: r["events"][0]["t"]):
+        out.setdefault(rec["rank"], []).append(rec)
+    return out
+
+
+def whats(rec: dict) -> list[str]:
+    return [e["what"] for e in rec["events"]]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("fault-free")
+    with job(out) as j:
+        j.start_all(order=[3, 2, 1, 0])     # rank 0 last: nothing waits on a root
+        assert j.wait_all() == {r: 0 for r in range(WORLD)}
+    ps = params(out)
+    assert all(identical(ps[0], p) for p in ps)
+    return ps
+
+
+def test_ddp_survives_a_sigkilled_rank_bit_identical(tmp_path, reference):
+    victim, k = 2, 3
+    with job(tmp_path, "--hang", f"{victim}:{k}:0") as j:
+        j.start_all()
+        survivors = {r: j.procs[r].pid for r in range(WORLD) if r != victim}
+        j.wait_file(tmp_path / f"hang-{victim}-0", 90)
+        time.sleep(0.3)                      # the others are now blocked in step k's allreduce
+        j.kill(victim)
+        j.start(victim, generation=1, extra=["--replacement"])
+        assert j.wait_all() == {r: 0 for r in range(WORLD)}
+    recs = events(j)
+    named = set()
+    for r, pid in survivors.items():
+        assert [rec["pid"] for rec in recs[r]] == [pid], "a survivor process was restarted"
+        ev = recs[r][0]["events"]
+        assert whats(recs[r][0]) == ["start", "connected", "failure", "recovered", "done"]
+        failure = ev[2]
+        assert failure["step"] == k and "PeerError" in failure["error"], failure["error"]
+        assert f"global rank {r}, generation 0" in failure["error"], failure["error"]
+        if f"peer rank {victim}" in failure["error"]:
+            named.add(r)
+        assert ev[3]["generation"] == 1 and ev[3]["step"] == k
+    # A survivor may first hear of the fault from another survivor's cascade reset
+    # (Gloo fails the whole storeless context); at least one names the dead rank.
+    assert named, "no survivor's error names the killed rank"
+    replacement = recs[victim][1]
+    assert whats(replacement) == ["start", "connected", "synced", "done"]
+    assert replacement["events"][2]["step"] == k and replacement["events"][2]["src"] != victim
+    got = params(tmp_path)
+    for r in range(WORLD):
+        assert identical(got[r], got[0]), f"rank {r} differs from rank 0"
+        assert identical(got[r], reference[0]), f"rank {r} differs from the fault-free run"
+
+
+def test_two_faults_in_one_run(tmp_path, reference):
+    with job(tmp_path, "--hang", "2:2:0", "--hang", "1:5:1") as j:
+        j.start_all()
+        pids = {r: j.procs[r].pid for r in (0, 3)}
+        j.wait_file(tmp_path / "hang-2-0", 90)
+        time.sleep(0.3)
+        j.kill(2)
+        j.start(2, generation=1, extra=["--replacement"])
+        j.wait_file(tmp_path / "hang-1-1", 90)
+        time.sleep(0.3)
+        j.kill(1)
+        j.start(1, generation=2, extra=["--replacement"])
+        assert j.wait_all() == {r: 0 for r in range(WORLD)}
+    recs = events(j)
+    for r, pid in pids.items():
+        assert [rec["pid"] for rec in recs[r]] == [pid]
+        assert [e["generation"] for e in recs[r][0]["events"] if e["what"] == "recovered"] == [1, 2]
+    got = params(tmp_path)
+    assert all(identical(g, reference[0]) for g in got)
+
+
+def test_fault_during_recovery(tmp_path, reference):
+    """Rank 2 dies at step 3; while the others recover, rank 1 dies too; both are replaced."""
+    with job(tmp_path, "--hang", "2:3:0", connect_timeout=8.0) as j:
+        j.start_all()
+        pids = {r: j.procs[r].pid for r in (0, 3)}
+        j.wait_file(tmp_path / "hang-2-0", 90)
+        time.sleep(0.3)
+        j.kill(2)
+        # Wait until rank 1 has seen the failure and is inside recover(), then kill it there.
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            recs = events(j)
+            if any("failure" in whats(rec) for rec in recs.get(1, [])):
+                break
+            time.sleep(0.02)
+        time.sleep(0.2)
+        j.kill(1)
+        # The survivors' generation-1 attempt fails (peer lost or connect deadline); they move to 2.
+        j.env["HPCT_CONNECT_TIMEOUT"] = "60"
+        j.start(1, generation=2, extra=["--replacement"])
+        j.start(2, generation=2, extra=["--replacement"])
+        assert j.wait_all() == {r: 0 for r in range(WORLD)}
+    recs = events(j)
+    for r, pid in pids.items():
+        assert [rec["pid"] for rec in recs[r]] == [pid]
+        ev = recs[r][0]["events"]
+        assert "recover_failed" in [e["what"] for e in ev]
+        assert [e["generation"] for e in ev if e["what"] == "recovered"] == [2]
+    got = params(tmp_path)
+    assert all(identical(g, reference[0]) for g in got)
+
+
+def test_replacement_never_arrives_fails_by_connect_deadline(tmp_path):
+    connect_timeout = 4.0
+    with job(tmp_path, "--hang", "2:1:0", "--max-recoveries", "1", connect_timeout=connect_timeout) as j:
+        j.start_all()
+        j.wait_file(tmp_path / "hang-2-0", 90)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        j.kill(2)
+        del j.procs[2]
+        codes = j.wait_all()
+        elapsed = time.monotonic() - t0
+    assert codes == {0: 1, 1: 1, 3: 1}
+    assert elapsed < connect_timeout + 15, elapsed
+    for r in (0, 1, 3):
+        text = j.output(r)
+        assert "RendezvousError" in text and "generation 1" in text, text
+        assert "still missing rank 2 " in text, text
+        assert "HPCT_CONNECT_TIMEOUT" in text, text
