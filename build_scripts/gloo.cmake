@@ -15,3 +15,6 @@ set(USE_TCP_OPENSSL_LINK OFF CACHE BOOL "")
 set(USE_TCP_OPENSSL_LOAD OFF CACHE BOOL "")
 set(BUILD_BENCHMARK OFF CACHE BOOL "")
 # BUILD_TEST is chosen per invocation (hpct-build build gloo --tests).
+# Gloo asks for cmake_minimum_required(VERSION 3.4); CMake 4 (e.g. PyPI's cmake)
+# refuses anything below 3.5 unless told the project is fine with 3.5 policies.
+set(CMAKE_POLICY_VERSION_MINIMUM 3.5 CACHE STRING "")

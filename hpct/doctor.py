@@ -267,7 +267,8 @@ def check_nccl(probe: Probe, torch, config) -> Row:
     if result["rootless"]:
         return Row("libnccl", "ok", f"{detail}, exports {ROOTLESS_SYMBOL}")
     detail += f", stock: no {ROOTLESS_SYMBOL}"
-    fix = "build and install hpct's patched NCCL (hpct-build nccl) and put it first on the search path"
+    fix = ("put a libnccl built from hpct's patched NCCL first on the search path (this hpct has no NCCL "
+           "series yet; its source must be handed over: hpct-build fetch nccl --source PATH)")
     if needs_rootless:
         return Row("libnccl", "fail", detail + " (required: HPCT_USE_ROOTLESS=1 with hpct's PyTorch)", fix)
     return Row("libnccl", "warn", detail + " (rootless NCCL start-up unavailable)", fix)

@@ -65,10 +65,8 @@ def _launch(nodes, script_for, *, generation=1, group=0, slots=2, base=None, tim
     return base, workers
 
 
-def test_collectives_across_four_hosts(nodes):
-    """8 ranks on 4 namespaces: storeless init from the plan, exact collectives."""
-    _, workers = _launch(nodes, lambda r: [{"op": "connect"}, {"op": "collectives"},
-                                           {"op": "close"}])
+def _all_succeeded(workers):
+    """Wait for every worker (killing the rest on any failure); each must exit 0."""
     try:
         for w in workers:
             w.wait()
@@ -76,6 +74,14 @@ def test_collectives_across_four_hosts(nodes):
         kill_all(workers)
     for w in workers:
         assert w.proc.returncode == 0, w.describe()
+    return workers
+
+
+def test_collectives_across_four_hosts(nodes):
+    """8 ranks on 4 namespaces: storeless init from the plan, exact collectives."""
+    _, workers = _launch(nodes, lambda r: [{"op": "connect"}, {"op": "collectives"},
+                                           {"op": "close"}])
+    for w in _all_succeeded(workers):
         w.event("collectives_ok")
 
 
@@ -86,13 +92,7 @@ def test_second_group_slot_and_late_node(nodes):
         late = [{"op": "sleep", "seconds": 3.0}] if r // NPROC == NODES - 1 else []
         return late + [{"op": "connect"}, {"op": "collectives", "elements": 100}, {"op": "close"}]
     _, workers = _launch(nodes, script, group=1, generation=4)
-    try:
-        for w in workers:
-            w.wait()
-    finally:
-        kill_all(workers)
-    for w in workers:
-        assert w.proc.returncode == 0, w.describe()
+    for w in _all_succeeded(workers):
         assert w.event("connected")["generation"] == 4
         w.event("collectives_ok")
 
