@@ -20,7 +20,8 @@ pytestmark = pytest.mark.multiprocess
 WORLD = 4
 WORKER = Path(__file__).with_name("dist_worker.py")
 SLOTS = 8
-MASTER_PORT = 29500
+# Exported to the ranks to prove nothing uses it: a port that is free now, outside any plan block.
+MASTER_PORT = free_port_block(1)
 # Cases ProcessGroupGloo refuses and hpct supports.
 SUPERSET = {f"all_reduce/torch.int16/RedOpType.{op}" for op in ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")} | \
     {"all_gather/torch.int16", "all_to_all"}
