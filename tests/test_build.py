@@ -84,3 +84,14 @@ def test_outside_a_checkout_says_so(tmp_path):
     proc = run_cli("hpct-build", "status", "--root", str(tmp_path))
     assert proc.returncode == 3
     assert "is not inside an hpct checkout" in proc.stderr
+
+
+def test_status_from_the_checkout_still_sees_the_installed_extension(repo):
+    # `python3 -m hpct.build` in the checkout imports hpct from the source tree, which has
+    # no compiled extension: status must ask the installed package, not itself.
+    import subprocess
+    proc = subprocess.run([sys.executable, "-m", "hpct.build", "status", "--json"], cwd=repo,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    wheel = json.loads(proc.stdout)["wheel"]
+    assert wheel["installed"] and wheel["extension"], wheel

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -52,21 +53,22 @@ def build_wheel(layout: Layout, progress: Progress, install: bool = False) -> Pa
 
 
 def installed_wheel_info() -> dict:
-    """What the interpreter running hpct-build has installed (for ``status``)."""
-    try:
-        from importlib.metadata import version
-        info = {"hpct_version": version("hpct")}
-    except Exception:  # not installed
-        return {"installed": False}
-    info["installed"] = True
-    try:
-        import hpct._gloo as ext  # noqa: PLC0415
-        info["extension"] = True
-        info["series_id"] = ext.series_id()
-    except ImportError as err:
-        info["extension"] = False
-        info["extension_error"] = str(err)
-    return info
+    """What this interpreter has installed (for ``status``), asked of a fresh process run
+    outside the checkout: here ``hpct`` may be imported from the source tree itself."""
+    probe = ("import json, importlib.metadata as md\n"
+             "try:\n    info = {'installed': True, 'hpct_version': md.version('hpct')}\n"
+             "except md.PackageNotFoundError:\n    info = {'installed': False}\n"
+             "if info['installed']:\n"
+             "    try:\n        import hpct._gloo as ext\n"
+             "        info.update(extension=True, series_id=ext.series_id())\n"
+             "    except ImportError as err:\n"
+             "        info.update(extension=False, extension_error=str(err))\n"
+             "print(json.dumps(info))\n")
+    proc = subprocess.run([sys.executable, "-P", "-c", probe], capture_output=True, text=True,
+                          timeout=120, cwd="/")
+    if proc.returncode != 0:
+        return {"installed": False, "extension_error": proc.stderr.strip()[-500:]}
+    return json.loads(proc.stdout)
 
 
 def wheel_files(layout: Layout) -> list[Path]:
