@@ -183,27 +183,26 @@ def split_rows(t: torch.Tensor, sizes, n: int) -> list[torch.Tensor]:
     return list(torch.split(t, list(sizes), dim=0))
 
 
+def _copy_received(targets: list[torch.Tensor], got: list[torch.Tensor], what: str) -> None:
+    """Copy each peer's bytes into its target tensor; a size mismatch is the caller's error."""
+    for dst, data in zip(targets, got):
+        if dst.numel() * dst.element_size() != data.numel():
+            raise ValueError(f"{what} holds {dst.numel() * dst.element_size()} bytes, "
+                             f"received {data.numel()}")
+        if data.numel():
+            dst.copy_(data.view(dst.dtype).reshape(dst.shape))
+
+
 def all_to_all_single_(ctx, out, inp, out_splits, in_splits) -> None:
     n = ctx.size
     sends = [as_bytes(_contig(c)) for c in split_rows(inp, in_splits, n)]
     got = alltoall_bytes(ctx, [torch.from_numpy(s) for s in sends])
-    targets = split_rows(out, out_splits, n)
-    for dst, data in zip(targets, got):
-        if dst.numel() * dst.element_size() != data.numel():
-            raise ValueError(f"all_to_all_single: expected {dst.numel() * dst.element_size()} bytes "
-                             f"for an output split, received {data.numel()}")
-        if data.numel():
-            dst.copy_(data.view(dst.dtype).reshape(dst.shape))
+    _copy_received(split_rows(out, out_splits, n), got, "all_to_all_single: an output split")
 
 
 def alltoall_(ctx, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
     got = alltoall_bytes(ctx, [torch.from_numpy(as_bytes(_contig(x))) for x in ins])
-    for dst, data in zip(outs, got):
-        if dst.numel() * dst.element_size() != data.numel():
-            raise ValueError(f"all_to_all: output tensor of {dst.numel() * dst.element_size()} bytes, "
-                             f"received {data.numel()}")
-        if data.numel():
-            dst.copy_(data.view(dst.dtype).reshape(dst.shape))
+    _copy_received(outs, got, "all_to_all: an output tensor")
 
 
 def gather_(ctx, outs: list[torch.Tensor] | None, inp: torch.Tensor, root: int) -> None:
