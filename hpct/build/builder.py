@@ -20,7 +20,7 @@ from .progress import Progress
 from .sources import Manifest, fetch
 
 # program -> the Debian package that provides it (named in the error's fix)
-TOOLS = {"cmake": "cmake", "ninja": "ninja-build", "c++": "g++", "patch": "patch"}
+TOOLS = {"cmake": "cmake", "ninja": "ninja-build", "c++": "g++", "cc": "gcc", "patch": "patch"}
 
 
 def require_tools(names: list[str], env: dict | None = None) -> dict[str, str]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError, SourceError, ToolchainError
+from .builder import require_tools, run_logged
 from .layout import Layout, write_atomic
 from .patches import load_series
 from .progress import Progress
@@ -235,9 +236,10 @@ def plan(layout: Layout, m: Manifest, *, cuda: bool = False, cuda_arch: str | No
     if missing_py:
         blockers.append(f"missing Python build requirement(s): {', '.join(missing_py)} "
                         f"(pip install {' '.join(missing_py)})")
-    missing_tools = [t for t in TOOLS if shutil.which(t) is None]
-    if missing_tools:
-        blockers.append(f"missing build tool(s): {', '.join(missing_tools)} (apt-get install cmake ninja-build g++ patch)")
+    try:
+        require_tools(list(TOOLS))
+    except ToolchainError as err:     # a blocker to list, not an error: --dry-run still prints the plan
+        blockers.append(f"{err.problem} ({err.fix})")
     if cuda and shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
         blockers.append("no CUDA toolkit (nvcc not on PATH and CUDA_HOME unset)")
 
@@ -259,8 +261,6 @@ def _non_empty(path: Path) -> bool:
 def build(layout: Layout, m: Manifest, progress: Progress, *, cuda: bool = False, cuda_arch: str | None = None,
           nccl: str | None = None, jobs: int | None = None) -> Path:
     """Run the plan's steps in order (patch both trees, lay out the work tree, setup.py bdist_wheel)."""
-    from .builder import run_logged   # the lead's builder; imported late to keep --dry-run light
-
     fetch(layout, m, progress)
     p = plan(layout, m, cuda=cuda, cuda_arch=cuda_arch, nccl=nccl, jobs=jobs)
     if p.blockers:
