@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import select
-import socket
 import statistics
 import subprocess
 import sys
@@ -64,28 +62,9 @@ print(json.dumps({"rank": rank, "seconds": done - go}), flush=True)
 """
 
 
-def bindable(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_block(count: int) -> int:
-    rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for _ in range(500):
-        base = rng.randrange(11000, 19000 - count)
-        if all(bindable(p) for p in range(base, base + count)):
-            return base
-    raise SystemExit(f"no block of {count} free ports below 19000")
-
-
 def run_once(mode: str, size: int, timeout: float) -> float:
-    from hpct.ports import peer_table
-    base = free_block(size + 1)
+    from hpct.ports import free_port_block, peer_table
+    base = free_port_block(size + 1)
     cfg = {"peers": peer_table(["127.0.0.1"], base, 0, size, size, 1), "store_port": base + size}
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, mode, str(r), str(size), json.dumps(cfg)],

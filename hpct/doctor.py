@@ -303,21 +303,8 @@ def check_kernel_ports(probe: Probe, plan) -> Row:
     return Row("kernel port ranges", "ok", f"ephemeral range {low}-{high}; every block port is safe")
 
 
-def busy_ports(ports: Sequence[int], host: str = "0.0.0.0") -> dict[int, str]:
-    """Ports that cannot be bound now, with the reason; binds like Gloo's listener (SO_REUSEADDR)."""
-    import socket
-    busy = {}
-    for port in ports:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, port))
-            except OSError as err:
-                busy[port] = err.strerror or str(err)
-    return busy
-
-
 def check_free_ports(probe: Probe, config, plan) -> Row:
+    from .ports import busy_ports
     local = [config.local_rank] if config.local_rank is not None else range(config.nproc_per_node)
     ports = sorted({p for b, _ in plan.bases for l in local for p in plan.local_ports(b, l)})
     who = f"local rank {config.local_rank}" if config.local_rank is not None else "all local ranks"

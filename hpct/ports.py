@@ -179,3 +179,37 @@ def check_plan(plan: PortPlan, port_range: tuple[int, int],
                                         f"the {a} and {b} blocks share ports {compress(common)}",
                                         fix="set TORCH_NCCL_GET_PORT_BASE after the gloo block, or unset it"))
     return problems
+
+
+def busy_ports(ports: Iterable[int], host: str = "0.0.0.0") -> dict[int, str]:
+    """Ports that cannot be bound now, with the reason; binds like Gloo's listener (SO_REUSEADDR)."""
+    import socket
+    busy = {}
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as err:
+                busy[port] = err.strerror or str(err)
+    return busy
+
+
+def free_port_block(count: int, low: int = 11000, high: int = 19000, host: str = "127.0.0.1",
+                    avoid: Iterable[int] = ()) -> int:
+    """A base B with B..B+count-1 bindable now, for tests, benchmarks and the demo.
+
+    Searched at random in [low, high): below hpct's ephemeral floor (20000), so no outgoing
+    connection takes one meanwhile, and spread out so parallel runs rarely collide.
+    """
+    import os
+    import random
+    import time
+    avoid = set(avoid)
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(500):
+        base = rng.randrange(low, high - count)
+        ports = range(base, base + count)
+        if not avoid.intersection(ports) and not busy_ports(ports, host):
+            return base
+    raise RuntimeError(f"no block of {count} free ports in {low}..{high}")

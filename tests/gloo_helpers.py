@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from hpct.ports import peer_table
+from hpct.ports import free_port_block, peer_table
 
 WORKER = str(Path(__file__).resolve().parent / "gloo_worker.py")
 
@@ -29,31 +27,14 @@ WORKER = str(Path(__file__).resolve().parent / "gloo_worker.py")
 LOW, HIGH = 11000, 19000
 
 
-def _bindable(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 _used: set[int] = set()
 
 
 def free_block(count: int, host: str = "127.0.0.1") -> int:
     """A base B such that B..B+count-1 are all bindable now (and not handed out before)."""
-    rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for _ in range(500):
-        base = rng.randrange(LOW, HIGH - count)
-        ports = range(base, base + count)
-        if any(p in _used for p in ports):
-            continue
-        if all(_bindable(p, host) for p in ports):
-            _used.update(ports)
-            return base
-    raise RuntimeError(f"no block of {count} free ports in {LOW}..{HIGH}")
+    base = free_port_block(count, LOW, HIGH, host, avoid=_used)
+    _used.update(range(base, base + count))
+    return base
 
 
 def loopback_peers(size: int, group: int = 0, slots: int = 1, base: int | None = None,

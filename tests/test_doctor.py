@@ -24,6 +24,7 @@ import pytest
 from hpct import doctor
 from hpct.cli import main
 from hpct.doctor import Probe, Row, check_nccl, find_libnccl, run_checks
+from hpct.ports import busy_ports
 from util import run_cli
 
 NCCL_PIN = "2.21.5"
@@ -120,7 +121,7 @@ def proc_sys(tmp_path) -> str:
 def free_base() -> int:
     """A port base whose 16 default-plan ports are free on this machine right now."""
     for base in range(12000, 19000, 160):
-        if not doctor.busy_ports(range(base, base + 16)):
+        if not busy_ports(range(base, base + 16)):
             return base
     pytest.skip("no free block of 16 ports below 19000")
 

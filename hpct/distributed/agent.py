@@ -10,33 +10,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-def free_port_block(count: int, start: int = 14000, stop: int = 19900) -> int:
-    """A base port with ``count`` consecutive ports free right now (below the ephemeral floor)."""
-    import random
-    rng = random.Random(os.getpid() ^ int(time.time() * 1000))
-    for _ in range(200):
-        base = rng.randrange(start, stop - count)
-        socks = []
-        try:
-            for p in range(base, base + count):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no block of {count} free ports between {start} and {stop}")
+from ..ports import free_port_block  # noqa: F401  (callers take it from here with Job)
 
 
 @dataclass
