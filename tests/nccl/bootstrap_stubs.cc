@@ -1,0 +1,95 @@
+// What NCCL's bootstrap layer and the hpct series reference outside the seven files the
+// bootstrap harness compiles (bootstrap.cc, misc/socket.cc, misc/utils.cc, misc/param.cc,
+// debug.cc, misc/hpct_ring.cc, misc/hpct_rootless.cc).  Written for hpct's tests; the
+// harness runs without a GPU, a CUDA runtime or the rest of NCCL.
+//
+// One stub is more than a placeholder: hpctCommInitRankDev stands in for init.cc's comm
+// creation, so that ncclCommInitRankRootless runs for real (argument checks, identity,
+// group bracket, the thread-local hand-over to hpctRootlessAttach) up to bootstrapInit.
+#include <stdio.h>
+#include <stdlib.h>
+
+#include <cuda_runtime_api.h>
+
+#include "bootstrap.h"
+#include "comm.h"
+#include "cudawrap.h"
+#include "group.h"
+#include "hpct_rootless_comm.h"
+#include "proxy.h"
+#include "socket.h"
+
+// ---- CUDA runtime: debug.cc asks for the device of every log line; the rootless entry point
+// asks once.  There is no device: report device 0 and refuse everything else.
+extern "C" {
+cudaError_t cudaGetDevice(int* device) {
+  if (device) *device = 0;
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr, int) {
+  if (value) *value = 0;
+  return cudaErrorNoDevice;
+}
+cudaError_t cudaDeviceGetPCIBusId(char* busId, int len, int) {
+  if (busId && len > 0) busId[0] = '\0';
+  return cudaErrorNoDevice;
+}
+const char* cudaGetErrorString(cudaError_t) { return "no CUDA runtime in hpct's bootstrap harness"; }
+}
+
+ncclResult_t ncclCudaLibraryInit(void) { return ncclSuccess; }
+
+// ---- Group bracket: the harness never queues work, so leaving the outermost group just
+// reports (and clears) the error recorded inside it.
+__thread int ncclGroupDepth = 0;
+__thread ncclResult_t ncclGroupError = ncclSuccess;
+
+ncclResult_t ncclGroupEndInternal() {
+  if (ncclGroupDepth <= 0) return ncclInvalidUsage;
+  if (--ncclGroupDepth > 0) return ncclSuccess;
+  ncclResult_t ret = ncclGroupError;
+  ncclGroupError = ncclSuccess;
+  return ret;
+}
+
+ncclResult_t ncclCommSetAsyncError(ncclComm_t comm, ncclResult_t nextState) {
+  if (comm) comm->asyncResult = nextState;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError) {
+  if (comm == NULL || asyncError == NULL) return ncclInvalidArgument;
+  *asyncError = comm->asyncResult;
+  return ncclSuccess;
+}
+
+// ---- The proxy thread needs a GPU; the bootstrap only hands it a listening socket.
+ncclResult_t ncclProxyInit(struct ncclComm*, struct ncclSocket* sock, union ncclSocketAddress*, uint64_t*) {
+  if (sock) {
+    ncclSocketClose(sock);
+    free(sock);
+  }
+  return ncclSuccess;
+}
+
+// ---- The part of comm creation the bootstrap depends on: a zeroed comm with rank, size,
+// an abort flag and a blocking config, the pending rootless addresses attached exactly as
+// init.cc attaches them, then bootstrapInit with the identity the caller computed.
+ncclResult_t hpctCommInitRankDev(ncclComm_t* newcomm, int nranks, ncclUniqueId commId, int myrank, int cudaDev,
+                                 ncclConfig_t*) {
+  struct ncclComm* comm = (struct ncclComm*)calloc(1, sizeof(struct ncclComm));
+  uint32_t* abortFlag = (uint32_t*)calloc(1, sizeof(uint32_t));
+  if (comm == NULL || abortFlag == NULL) return ncclSystemError;
+  comm->rank = myrank;
+  comm->nRanks = nranks;
+  comm->cudaDev = cudaDev;
+  comm->abortFlag = abortFlag;
+  comm->config.blocking = 1;
+  *newcomm = comm;
+  NCCLCHECK(hpctRootlessAttach(comm));
+  if (!comm->hpctRootless.enabled) {
+    fprintf(stderr, "bootstrap_stubs: hpctRootlessAttach did not mark the comm rootless\n");
+    return ncclInternalError;
+  }
+  return bootstrapInit((struct ncclBootstrapHandle*)&commId, comm);
+}

@@ -1,0 +1,213 @@
+"""NCCL 2.21.5's bootstrap with hpct's series, run for real without a GPU.
+
+tests/nccl/bootstrap_harness.cc is compiled against the patched tree (NCCL's bootstrap.cc,
+socket.cc, utils.cc, param.cc, debug.cc and the series' hpct_ring.cc / hpct_rootless.cc,
+CUDA headers from the pinned wheels) and forks one process per rank: rootless ranks go
+through ncclCommInitRankRootless, stock ranks through NCCL's root.  Needs NCCL's source
+(skipped without it, saying how to provide it); the series is applied with hpct-build patch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from util import REPO, run_cli
+
+
+def _slow(test):
+    return pytest.mark.slow(pytest.mark.multiprocess(test))
+
+
+def _load_tools():
+    # The harness plumbing lives beside the benchmark that shares it (not in the hpct package).
+    spec = importlib.util.spec_from_file_location("nccl_bootstrap_tools", REPO / "benchmarks" / "nccl_bootstrap.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module      # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+tools = _load_tools()
+RUN_TIMEOUT_S = 120      # any single harness run; the harness kills its own silent ranks sooner
+MARGIN_S = 10.0          # scheduling slack on a loaded 2-core machine
+
+
+@pytest.mark.unit
+def test_skip_reason_says_how_to_provide_the_source(scratch_root, monkeypatch):
+    monkeypatch.delenv("HPCT_NCCL_SOURCE", raising=False)
+    assert tools.source_missing(scratch_root) == (
+        "NCCL 2.21.5's source is not available: set HPCT_NCCL_SOURCE=<nccl-2.21.5-1.tar.gz or tree> "
+        "(make it with git archive --format=tar --prefix=nccl-2.21.5-1/ v2.21.5-1 | gzip -n) "
+        "or run hpct-build fetch nccl --source PATH")
+    monkeypatch.setenv("HPCT_NCCL_SOURCE", str(scratch_root / "nccl.tar.gz"))
+    assert tools.source_missing(scratch_root) is None     # hpct-build patch will judge that file
+
+
+@pytest.fixture(scope="session")
+def harness():
+    why = tools.source_missing(REPO)
+    if why is not None:
+        pytest.skip(why)
+    proc = run_cli("hpct-build", "patch", "nccl", "--root", str(REPO), timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    assert "patched tree at" in proc.stdout, proc.stdout
+    tree, series_id = tools.patched_tree(REPO)
+    return tools.harness_binary(tree, series_id, REPO)
+
+
+def _run(binary, mode, nranks, **options):
+    run = tools.run_harness(binary, mode, nranks, timeout=RUN_TIMEOUT_S, **options)
+    assert [r["rank"] for r in run.ranks] == sorted(r["rank"] for r in run.ranks), run.ranks
+    return run
+
+
+def _assert_all_ok(run, nranks, mode):
+    assert run.returncode == 0, (run.stderr, run.ranks)
+    assert [r["rank"] for r in run.ranks] == list(range(nranks))
+    for r in run.ranks:
+        assert r["mode"] == mode and r["nranks"] == nranks
+        assert r["status"] == "ok" and r["stage"] == "done" and r["result"] == "ncclSuccess", r
+        assert r["table_ok"] is True and r["sendrecv_ok"] is True, r
+        assert r["warnings"] == [], r
+        assert 0 < r["init_ms"] <= r["allgather_ms"], r
+    assert len({r["pid"] for r in run.ranks}) == nranks     # one process per rank
+
+
+@_slow
+@pytest.mark.parametrize("nranks", [4, 16])
+def test_rootless_ring_allgathers_the_exact_table(harness, nranks):
+    from hpct.ports import free_port_block
+    base = free_port_block(nranks)
+    run = _run(harness, "rootless", nranks, base_port=base, timeout_ms=30000)
+    _assert_all_ok(run, nranks, "rootless")
+    assert [r["listen"] for r in run.ranks] == [f"127.0.0.1:{base + r}" for r in range(nranks)]
+
+
+@_slow
+def test_stock_root_bootstrap_works_as_control(harness):
+    run = _run(harness, "stock", 4, timeout_ms=30000)
+    _assert_all_ok(run, 4, "stock")
+    assert all("listen" not in r for r in run.ranks)
+
+
+@_slow
+def test_rootless_waits_for_a_rank_three_seconds_late(harness):
+    from hpct.ports import free_port_block
+    run = _run(harness, "rootless", 4, base_port=free_port_block(4), late_rank=2, late_ms=3000,
+               timeout_ms=30000)
+    _assert_all_ok(run, 4, "rootless")
+    # Nobody can be through the ring before the late rank arrived; the others waited for it.
+    for r in run.ranks:
+        assert r["launch_init_ms"] >= 3000, r
+    assert run.by_rank()[2]["init_ms"] >= 3000
+
+
+@_slow
+def test_rootless_missing_rank_fails_every_rank_by_the_deadline_naming_it(harness):
+    from hpct.ports import free_port_block
+    nranks, missing, timeout_ms = 6, 3, 3000
+    base = free_port_block(nranks)
+    run = _run(harness, "rootless", nranks, base_port=base, missing_rank=missing, timeout_ms=timeout_ms)
+    assert run.returncode == 1
+    ranks = run.by_rank()
+    assert ranks[missing]["status"] == "absent"
+    assert run.wall_s < timeout_ms / 1e3 + MARGIN_S
+    for rank, r in ranks.items():
+        if rank == missing:
+            continue
+        assert r["status"] == "error" and r["stage"] == "init" and r["result"] == "ncclRemoteError", r
+        assert r["warnings"], r
+        # The ring breaks only when the missing rank's neighbours give up at the deadline.
+        assert timeout_ms * 0.95 <= r["launch_end_ms"] <= timeout_ms + MARGIN_S * 1e3, r
+    before, after = ranks[missing - 1], ranks[missing + 1]
+    assert before["error"].startswith(f"hpct rootless bootstrap: rank {missing - 1} of {nranks} timed out after")
+    assert f"next rank {missing} at 127.0.0.1:{base + missing} did not complete the handshake" in before["error"]
+    assert "Connection refused" in before["error"]        # nobody listens on the missing rank's port
+    assert f"previous rank {missing} never connected (this rank listens on 127.0.0.1:{base + missing + 1})" in after["error"]
+    # The others were already in NCCL's ring allgather; they learn of it from a closed ring socket.
+    for rank in set(ranks) - {missing, missing - 1, missing + 1}:
+        error = ranks[rank]["error"]
+        assert "Connection closed by remote peer" in error or "Connection reset by peer" in error, error
+
+
+@_slow
+def test_rootless_taken_port_is_named_at_once(harness):
+    from hpct.ports import free_port_block
+    base = free_port_block(2)
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        squatter.bind(("127.0.0.1", base + 1))
+        squatter.listen(8)
+        started = time.monotonic()
+        run = _run(harness, "rootless", 2, base_port=base, timeout_ms=4000, kill_ms=20000)
+    finally:
+        squatter.close()
+    assert run.returncode == 1
+    taken = run.by_rank()[1]
+    assert taken["status"] == "error" and taken["result"] == "ncclSystemError", taken
+    assert taken["error"] == (f"hpct rootless bootstrap: rank 1: listen on 127.0.0.1:{base + 1}: the port is already "
+                              "in use (another process, or a group that was not closed, holds it); stop that "
+                              "process or choose another port block")
+    assert taken["end_ms"] < 2000, taken          # no waiting for the deadline
+    # Rank 0 reached the squatter, which never answers the handshake: it times out.
+    other = run.by_rank()[0]
+    assert other["status"] == "error" and other["result"] == "ncclRemoteError", other
+    assert "next rank 1 at 127.0.0.1:" in other["error"] and "timed out after" in other["error"]
+    assert time.monotonic() - started < 4 + MARGIN_S
+
+
+@_slow
+def test_stock_missing_rank_hangs_until_killed(harness):
+    # The contrast: NCCL's root waits for every rank without a deadline, and so do the ranks.
+    run = _run(harness, "stock", 4, missing_rank=3, kill_ms=3000)
+    assert run.returncode == 1
+    ranks = run.by_rank()
+    assert ranks[3]["status"] == "absent"
+    for rank in (0, 1, 2):
+        assert ranks[rank]["status"] == "killed", ranks[rank]
+        assert ranks[rank]["error"] == "no result within 3000 ms of launch; killed"
+    assert run.wall_s < 3 + MARGIN_S
+
+
+@_slow
+@pytest.mark.multihost
+def test_rootless_across_network_namespaces(harness):
+    from netns import netns_network, unavailable_reason
+    from hpct.ports import free_port_block
+    if (why := unavailable_reason()) is not None:
+        pytest.skip(why)
+    hosts, per_host = 4, 2
+    nranks = hosts * per_host
+    base = free_port_block(per_host)
+    with netns_network(hosts, name_prefix="hpct-ncclb") as nodes:
+        addresses = ",".join(n.address for n in nodes)
+        env = tools.bootstrap_env("eth0")
+        procs = []
+        try:
+            for i, node in enumerate(nodes):
+                ranks = ",".join(str(i * per_host + k) for k in range(per_host))
+                argv = tools.harness_argv(harness, "rootless", nranks, base_port=base, hosts=addresses,
+                                          per_host=per_host, ranks=ranks, timeout_ms=30000, kill_ms=60000)
+                procs.append(node.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            results = []
+            for p in procs:
+                out, err = p.communicate(timeout=RUN_TIMEOUT_S)
+                assert p.returncode == 0, (out, err)
+                results += tools.parse_lines(out)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(timeout=10)
+        by_rank = {r["rank"]: r for r in results}
+        assert sorted(by_rank) == list(range(nranks))
+        for rank, r in by_rank.items():
+            assert r["status"] == "ok" and r["table_ok"] and r["sendrecv_ok"], r
+            assert r["listen"] == f"{nodes[rank // per_host].address}:{base + rank % per_host}"
+        assert len({r["listen"].split(":")[0] for r in results}) == hosts
