@@ -130,6 +130,43 @@ def test_cuda_plan_with_bundled_nccl_warns(fetched_repo):
     assert any("unpatched NCCL" in w for w in doc["warnings"])
 
 
+def test_dry_run_names_the_nccl_choice(fetched_repo):
+    """--cuda: USE_SYSTEM_NCCL points at hpct's NCCL build, and the header line says so."""
+    proc = run_cli("hpct-build", "build", "pytorch", "--dry-run", "--cuda", "--root", str(REPO), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    prefix = REPO / "third_party/build/nccl-2.21.5/install"
+    assert "# NCCL: hpct's patched NCCL 2.21.5" in proc.stdout and f"at {prefix} (USE_SYSTEM_NCCL=1)" in proc.stdout
+    assert "export USE_SYSTEM_NCCL=1" in proc.stdout and f"export NCCL_ROOT={prefix}" in proc.stdout
+    assert f"export NCCL_INCLUDE_DIR={prefix}/include" in proc.stdout
+    cpu = run_cli("hpct-build", "build", "pytorch", "--dry-run", "--root", str(REPO), timeout=120)
+    assert "# NCCL: none (CPU build: USE_NCCL=0)" in cpu.stdout
+
+
+def _nccl_prefix(root: Path, rootless: bool) -> Path:
+    (root / "include").mkdir(parents=True)
+    (root / "include" / "nccl.h").write_text("/* stand-in */\n")
+    if rootless:
+        (root / "include" / "nccl_rootless.h").write_text("/* stand-in */\n")
+    return root
+
+
+def test_nccl_prefix_without_the_rootless_header_warns(fetched_repo, tmp_path):
+    doc = _plan("--cuda", "--nccl", str(_nccl_prefix(tmp_path / "stock", rootless=False)))
+    assert doc["nccl"]["rootless"] is False
+    assert any("no include/nccl_rootless.h" in w and "--nccl hpct" in w for w in doc["warnings"])
+    doc = _plan("--cuda", "--nccl", str(_nccl_prefix(tmp_path / "hpct", rootless=True)))
+    assert doc["nccl"]["rootless"] is True
+    assert not any("nccl_rootless.h" in w for w in doc["warnings"])
+
+
+def test_hpct_nccl_without_the_rootless_header_blocks(scratch_root):
+    _nccl_prefix(scratch_root / "third_party/build/nccl-2.21.5/install", rootless=False)
+    doc = _plan("--cuda", root=scratch_root)
+    assert doc["nccl"]["kind"] == "hpct" and doc["nccl"]["rootless"] is False
+    assert any("no include/nccl_rootless.h" in b and "hpct-build build nccl" in b for b in doc["blockers"])
+    assert not doc["ready"]
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--cuda", "--cuda-arch", "sm_90"], "--cuda-arch 'sm_90'"),
     (["--cuda", "--cuda-arch", ""], "--cuda-arch"),

@@ -459,11 +459,12 @@ def test_debug_wrapper_of_a_local_synchronization_group_is_refused(rl):
 
 
 @pytest.mark.unit
-def test_only_gloo_has_a_rootless_path(rl):
+def test_only_gloo_and_nccl_have_a_rootless_path(rl):
     rl.check_backends({"cpu": "gloo"})
+    rl.check_backends({"cpu": "gloo", "cuda": "nccl"})      # NCCL: patches 0008-0011, tests/test_pytorch_nccl.py
     with pytest.raises(rl.RootlessConfigError) as err:
-        rl.check_backends({"cpu": "gloo", "cuda": "nccl"})
-    _error_names(err.value, "nccl for cuda", "backend='gloo'", "HPCT_USE_ROOTLESS")
+        rl.check_backends({"cpu": "gloo", "cuda": "ucc"})
+    _error_names(err.value, "ucc for cuda", "backend='gloo'", "HPCT_USE_ROOTLESS")
 
 
 # ------------------------------------------------------------ generation across destroy and re-init
@@ -633,9 +634,13 @@ def compile_env(patched_tree, tmp_path_factory):
 
 @pytest.mark.slow
 def test_series_changes_the_expected_units():
+    # The NCCL units compile with NCCL on in tests/test_pytorch_nccl.py; here (no USE_C10D_NCCL)
+    # they reduce to their includes.
     assert changed_units() == ["torch/csrc/distributed/c10d/GlooDeviceFactory.cpp",
                                "torch/csrc/distributed/c10d/ProcessGroupGloo.cpp",
-                               "torch/csrc/distributed/c10d/init.cpp"]
+                               "torch/csrc/distributed/c10d/init.cpp",
+                               "torch/csrc/distributed/c10d/NCCLUtils.cpp",
+                               "torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp"]
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ..errors import ConfigError, SourceError, ToolchainError
 from .builder import require_tools, run_logged
+from .cuda import DEFAULT_CUDA as TORCH_CUDA   # torch 2.6.0's cu124 wheels
 from .layout import Layout, write_atomic
 from .patches import load_series
 from .progress import Progress
@@ -50,6 +51,9 @@ TOOLS = ("cmake", "ninja", "c++", "cc", "patch")
 
 ARCH_RE = re.compile(r"^\d+\.\d+a?(\+PTX)?$")
 DEFAULT_CUDA_ARCH = "8.0;9.0"   # A100 and H100, HyperPod's GPUs
+# The header hpct's NCCL series installs beside nccl.h; ProcessGroupNCCL's rootless path
+# (patches 0009-0011) is compiled in only when the NCCL include folder has it.
+ROOTLESS_HEADER = "nccl_rootless.h"
 
 
 @dataclass
@@ -99,6 +103,7 @@ class Plan:
         out = [f"# hpct-build build pytorch --dry-run: torch {self.local_version}",
                f"# series {self.series_id} (pytorch) + {self.gloo_series_id} (gloo); "
                f"{'CUDA' if self.cuda else 'CPU only'}",
+               f"# NCCL: {_nccl_line(self.nccl)}",
                f"# source: {self.source['path']} (provider: {self.source['provider'] or 'not fetched'})"]
         for w in self.warnings:
             out.append(f"# WARNING: {w}")
@@ -117,6 +122,18 @@ class Plan:
         return "\n".join(out)
 
 
+def _nccl_line(nccl: dict) -> str:
+    kind = nccl.get("kind")
+    if kind is None:
+        return "none (CPU build: USE_NCCL=0)"
+    if kind == "bundled":
+        return "PyTorch's bundled, unpatched NCCL (USE_SYSTEM_NCCL=0); no rootless ProcessGroupNCCL"
+    what = (f"hpct's patched NCCL {nccl.get('version')}" + (f", built with CUDA {nccl['cuda']}" if nccl.get("cuda")
+                                                          else "") if kind == "hpct" else "the NCCL")
+    rootless = "rootless ProcessGroupNCCL" if nccl.get("rootless") else f"no {ROOTLESS_HEADER}: no rootless path"
+    return f"{what} at {nccl['prefix']} (USE_SYSTEM_NCCL=1); {rootless}"
+
+
 def _quote(s: str | None) -> str:
     s = "" if s is None else str(s)
     return s if re.fullmatch(r"[A-Za-z0-9_./:=+,@%-]+", s) else "'" + s.replace("'", "'\\''") + "'"
@@ -133,15 +150,24 @@ def parse_cuda_arch(text: str) -> str:
 
 
 def _nccl_choice(layout: Layout, nccl: str | None) -> dict:
-    """Which NCCL a CUDA build links: hpct's patched build (default), PyTorch's bundled one, or a prefix."""
+    """Which NCCL a CUDA build links: hpct's patched build (default), PyTorch's bundled one, or a prefix.
+
+    ``rootless`` says whether the prefix has hpct's ``nccl_rootless.h`` (then the torch's
+    ProcessGroupNCCL has its rootless path); ``cuda`` is the CUDA hpct's NCCL was built with.
+    """
     choice = nccl or "hpct"
     if choice == "bundled":
-        return {"kind": "bundled", "prefix": None}
+        return {"kind": "bundled", "prefix": None, "rootless": False}
     if choice == "hpct":
         m = load_manifest(layout, "nccl")
         prefix = layout.build(m.name, m.version) / "install"
-        return {"kind": "hpct", "prefix": str(prefix), "version": m.version}
-    return {"kind": "prefix", "prefix": str(Path(choice).expanduser().resolve())}
+        from .nccl import built_info          # the stamp of `hpct-build build nccl`
+        stamp = built_info(layout, m) or {}
+        return {"kind": "hpct", "prefix": str(prefix), "version": m.version,
+                "rootless": (prefix / "include" / ROOTLESS_HEADER).is_file(), "cuda": stamp.get("cuda"),
+                "series_id": stamp.get("series_id")}
+    prefix = Path(choice).expanduser().resolve()
+    return {"kind": "prefix", "prefix": str(prefix), "rootless": (prefix / "include" / ROOTLESS_HEADER).is_file()}
 
 
 def plan(layout: Layout, m: Manifest, *, cuda: bool = False, cuda_arch: str | None = None,
@@ -198,7 +224,7 @@ def plan(layout: Layout, m: Manifest, *, cuda: bool = False, cuda_arch: str | No
         "USE_XPU": "0",
         "USE_CUDA": "1" if cuda else "0",
     }
-    nccl_info: dict = {"kind": None, "prefix": None}
+    nccl_info: dict = {"kind": None, "prefix": None, "rootless": False}
     if cuda:
         env["TORCH_CUDA_ARCH_LIST"] = parse_cuda_arch(DEFAULT_CUDA_ARCH if cuda_arch is None else cuda_arch)
         env["USE_NCCL"] = "1"
@@ -212,8 +238,16 @@ def plan(layout: Layout, m: Manifest, *, cuda: bool = False, cuda_arch: str | No
                         "NCCL_INCLUDE_DIR": str(prefix / "include"), "NCCL_LIB_DIR": str(prefix / "lib")})
             if not (prefix / "include" / "nccl.h").is_file():
                 blockers.append(f"no NCCL at {prefix} (include/nccl.h missing): "
-                                + ("build hpct's patched NCCL first (hpct-build fetch nccl --source ...)"
+                                + ("build hpct's patched NCCL first (hpct-build fetch nccl --source ...; "
+                                   "hpct-build build nccl)"
                                    if nccl_info["kind"] == "hpct" else "pass --nccl PREFIX of an NCCL install"))
+            elif not nccl_info["rootless"]:
+                missing = (f"the NCCL at {prefix} has no include/{ROOTLESS_HEADER}, so the torch gets no "
+                           "rootless ProcessGroupNCCL (HPCT_USE_ROOTLESS=1 with backend nccl will be refused)")
+                if nccl_info["kind"] == "hpct":
+                    blockers.append(f"{missing}; rebuild hpct's NCCL: hpct-build build nccl")
+                else:
+                    warnings.append(f"{missing}; for rootless NCCL use --nccl hpct")
     else:
         env["USE_NCCL"] = "0"
 
@@ -241,7 +275,11 @@ def plan(layout: Layout, m: Manifest, *, cuda: bool = False, cuda_arch: str | No
     except ToolchainError as err:     # a blocker to list, not an error: --dry-run still prints the plan
         blockers.append(f"{err.problem} ({err.fix})")
     if cuda and shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
-        blockers.append("no CUDA toolkit (nvcc not on PATH and CUDA_HOME unset)")
+        blockers.append(f"no CUDA toolkit (nvcc not on PATH and CUDA_HOME unset); torch {m.version}'s own "
+                        f"wheels use CUDA {TORCH_CUDA}: set CUDA_HOME to a CUDA {TORCH_CUDA} toolkit with cuDNN")
+    if cuda and nccl_info.get("cuda") and nccl_info["cuda"] != TORCH_CUDA:
+        warnings.append(f"hpct's NCCL was built with CUDA {nccl_info['cuda']}, torch {m.version}'s wheels "
+                        f"use CUDA {TORCH_CUDA}: build torch with the same CUDA as its NCCL")
 
     tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
     return Plan(
