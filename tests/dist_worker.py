@@ -264,7 +264,7 @@ def torch_form_scenario(out: Path, rank: int, n: int) -> int:
     g1 = dist.new_group(list(range(n)))
     res["g1"] = [g1.group_index, g1.context.peers[rank][1]]
     try:
-        dist.new_group(list(range(n)))          # index 2 needs slot 0: the world holds it
+        dist.new_group(list(range(n)))          # slots 0 (world) and 1 (g1) are held: none left
         res["g2"] = "created"
     except PortPlanError as err:
         res["g2"] = str(err)

@@ -85,8 +85,11 @@ def collectives(ctx: "gloo.Context", elements: int = 1000) -> None:
 
 
 def error_fields(err: BaseException) -> dict:
-    return {"type": type(err).__name__, "message": str(err),
-            "classes": [c.__name__ for c in type(err).__mro__]}
+    fields = {"type": type(err).__name__, "message": str(err),
+              "classes": [c.__name__ for c in type(err).__mro__]}
+    if hasattr(err, "newer_generation"):        # StaleGenerationError: the peers' generation
+        fields["newer_generation"] = err.newer_generation
+    return fields
 
 
 def main() -> int:
@@ -95,11 +98,16 @@ def main() -> int:
     abort_info: dict = {}
 
     def make(step: dict) -> "gloo.Context":
+        # Liveness settings only where a test asks for them (the defaults otherwise).
+        extra = {k: step.get(k, spec.get(k)) for k in
+                 ("ack_timeout", "keepalive_idle", "keepalive_interval", "keepalive_count")
+                 if step.get(k, spec.get(k)) is not None}
         return gloo.Context(step.get("rank", spec["rank"]), step.get("size", spec["size"]),
                             step.get("generation", spec["generation"]),
                             [tuple(p) for p in step.get("peers", spec["peers"])],
                             timeout=step.get("timeout", spec.get("timeout", 30.0)),
-                            connect_timeout=step.get("connect_timeout", spec.get("connect_timeout", 30.0)))
+                            connect_timeout=step.get("connect_timeout", spec.get("connect_timeout", 30.0)),
+                            **extra)
 
     try:
         for step in spec["script"]:
@@ -132,6 +140,13 @@ def main() -> int:
                     if buf[1] > 0:
                         break
                 emit("loop_done", count=count)
+            elif op == "allreduce":
+                # One checked allreduce (sum of rank + 1 over every rank).
+                n, r = ctx.size, ctx.rank
+                buf = array.array("i", [r + 1] * step.get("elements", 16))
+                ctx.allreduce(buf)
+                check(all(x == n * (n + 1) // 2 for x in buf), f"allreduce result {buf[:4]}")
+                emit("allreduce_ok", generation=ctx.generation)
             elif op == "ready":
                 emit("ready")
             elif op == "wait_stdin":
@@ -162,15 +177,39 @@ def main() -> int:
                         fields["abort_call_seconds"] = round(
                             abort_info.get("returned", failed) - abort_info["called"], 4)
                     emit("op_error", **fields)
+            elif op == "barrier":
+                ctx.barrier()
+                emit("barrier_ok")
+            elif op == "send":
+                # Blocking send of `elements` int32 (value i + 1000 * this rank) to `dst`.
+                buf = array.array("i", [i + 1000 * ctx.rank for i in range(step.get("elements", 16))])
+                ctx.send(buf, step["dst"], tag=step.get("tag", 0))
+                emit("sent", dst=step["dst"])
+            elif op == "recv":
+                # Blocking receive from `src`; reports the data or how and when it failed
+                # (`mono`: time.monotonic(), comparable across processes on Linux).
+                started = time.monotonic()
+                buf = array.array("i", [0] * step.get("elements", 16))
+                try:
+                    ctx.recv(buf, step["src"], tag=step.get("tag", 0))
+                    emit("recv_ok", src=step["src"], data=list(buf),
+                         seconds=round(time.monotonic() - started, 4))
+                except gloo.GlooError as err:
+                    fields = error_fields(err)
+                    fields.update(seconds=round(time.monotonic() - started, 4), mono=time.monotonic())
+                    emit("op_error", **fields)
             elif op == "abort":
                 started = time.monotonic()
                 ctx.abort(step.get("reason", "test abort"))
                 emit("aborted", seconds=round(time.monotonic() - started, 4))
             elif op == "close":
                 rejected = ctx.rejected_connections
+                dropped = getattr(ctx, "dropped_connections", None)
+                refusals = {str(k): list(v) for k, v in getattr(ctx, "refusals", {}).items()}
                 started = time.monotonic()
                 ctx.close()
-                emit("closed", seconds=round(time.monotonic() - started, 4), rejected=rejected)
+                emit("closed", seconds=round(time.monotonic() - started, 4), rejected=rejected,
+                     dropped=dropped, refusals=refusals)
                 ctx = None
             elif op == "cycles":
                 # Repeated init/collective/abort on the same ports, one generation each.

@@ -168,3 +168,63 @@ def test_replacement_never_arrives_fails_by_connect_deadline(tmp_path):
         assert "RendezvousError" in text and "generation 1" in text, text
         assert "still missing rank 2 " in text, text
         assert "HPCT_CONNECT_TIMEOUT" in text, text
+
+
+SKEW_WORLD = 3
+SKEW_WORKER = Path(__file__).with_name("recovery_skew_worker.py")
+
+
+def skew_job(out: Path, mode: str) -> Job:
+    import sys
+    out.mkdir(parents=True, exist_ok=True)
+    return Job([sys.executable, str(SKEW_WORKER), str(out), mode], SKEW_WORLD, free_port_block(8 * SKEW_WORLD),
+               out, time.monotonic() + 120, env={"HPCT_CONNECT_TIMEOUT": "2"})
+
+
+def skew_results(out: Path, j: Job) -> list[dict]:
+    import json
+    assert j.wait_all() == {r: 0 for r in range(SKEW_WORLD)}, [j.output(r) for r in range(SKEW_WORLD)]
+    return [json.loads((out / f"skew-{r}.json").read_text()) for r in range(SKEW_WORLD)]
+
+
+# Issue 13 item 4 is open: recover() moves to its own generation + 1 on every attempt, so
+# ranks that start recovering seconds apart never meet (they end up to 30 generations apart).
+# Keeping a failed attempt's generation converges here, but then retries of one generation
+# accept a peer's links from its previous, dying attempt of the same generation, and
+# test_fault_during_recovery livelocks; a fix needs an attempt discriminator in the Gloo
+# handshake.  strict: these start passing when it is fixed.
+ITEM4_OPEN = pytest.mark.xfail(strict=True, reason="issue 13 item 4: generations drift apart")
+
+
+@ITEM4_OPEN
+def test_ranks_entering_recovery_seconds_apart_meet_in_one_generation(tmp_path):
+    """Rank r starts recovering 3*r s after rank 0; the early ranks' failed attempts keep the target."""
+    with skew_job(tmp_path, "stagger") as j:
+        j.start_all()
+        got = skew_results(tmp_path, j)
+    assert len(got[0]["attempts"]) >= 2, got[0]            # rank 0 really retried before the others came
+    for r, rec in enumerate(got):
+        assert rec["formed"] and rec["generation"] == 1 and rec["sum"] == 6.0, (r, rec)
+        assert all(gen == 1 for gen, _ in rec["attempts"]), (r, rec)
+
+
+@ITEM4_OPEN
+def test_stopped_peer_resumed_seconds_later_rejoins_the_same_generation(tmp_path):
+    import os
+    import signal
+    with skew_job(tmp_path, "stopped") as j:
+        j.start_all()
+        for r in range(SKEW_WORLD):
+            j.wait_file(tmp_path / f"ready-{r}", 60)
+        last = j.procs[SKEW_WORLD - 1].pid
+        os.kill(last, signal.SIGSTOP)
+        try:
+            (tmp_path / "go").write_text("")
+            time.sleep(9)                   # op timeout 3 s, then attempts of 2 s each
+        finally:
+            os.kill(last, signal.SIGCONT)
+        got = skew_results(tmp_path, j)
+    for r, rec in enumerate(got):
+        assert rec["error"], (r, rec)                          # every rank saw the fault
+        assert rec["formed"] and rec["generation"] == 1 and rec["sum"] == 6.0, (r, rec)
+    assert max(len(rec["attempts"]) for rec in got) >= 2, got   # the others retried meanwhile

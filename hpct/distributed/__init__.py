@@ -18,6 +18,9 @@ re-synchronises the state.
 from __future__ import annotations
 
 from .backend import BACKEND_NAME, HpctProcessGroup
+from .checks import HpctArgumentError
+from .monitor import group_monitored_barrier as monitored_barrier
+from .slots import PlaceholderStore
 from .work import HpctError, HpctWork
 from .state import broadcast_object, broadcast_state, healthy_source
 from .world import (abort_all, generation, init_process_group, last_connect_seconds, live_groups,
@@ -25,6 +28,7 @@ from .world import (abort_all, generation, init_process_group, last_connect_seco
 
 register()
 
-__all__ = ["BACKEND_NAME", "HpctError", "HpctProcessGroup", "HpctWork", "abort_all", "broadcast_object",
-           "broadcast_state", "generation", "healthy_source", "init_process_group",
-           "last_connect_seconds", "live_groups", "recover", "shutdown_all"]
+__all__ = ["BACKEND_NAME", "HpctArgumentError", "HpctError", "HpctProcessGroup", "HpctWork",
+           "PlaceholderStore", "abort_all", "broadcast_object", "broadcast_state", "generation",
+           "healthy_source", "init_process_group", "last_connect_seconds", "live_groups",
+           "monitored_barrier", "recover", "shutdown_all"]

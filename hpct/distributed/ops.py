@@ -12,8 +12,9 @@ everything else.  The rest is done here, exactly where possible:
 - AVG (floating point and complex types) is SUM divided by the group size;
 - BAND/BOR/BXOR (integer and bool types) are an allgather followed by a local reduction;
 - gather, scatter, all-to-all and reduce-scatter are built on allgather, broadcast and
-  allreduce (the context runs one op at a time, and its send blocks until the receiver
-  posts the matching recv, so a schedule of pairwise send/recv could deadlock).
+  allreduce (the context runs one collective at a time);
+- send and recv only post the message (``isend_``/``irecv_``) and return its request:
+  the group waits on it outside the one-collective-at-a-time worker.
 
 Every function runs on the group's worker thread with the GIL released inside the
 context, so ``abort()`` from another thread wakes it.
@@ -21,8 +22,12 @@ context, so ``abort()`` from another thread wakes it.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch.distributed import ReduceOp
+
+from .checks import HpctArgumentError
 
 NATIVE = {torch.float32: "float32", torch.float64: "float64",
           torch.int32: "int32", torch.int64: "int64"}
@@ -42,17 +47,42 @@ def op_name(op) -> str:
             return name
     if op == ReduceOp.AVG:
         return "avg"
-    raise ValueError(f"ReduceOp {op} is not supported by the hpct backend; "
-                     "use SUM, PRODUCT, MIN, MAX, BAND, BOR or BXOR")
+    raise HpctArgumentError(f"hpct: ReduceOp.{op_label(op)} is not supported by the hpct backend; "
+                            "use SUM, PRODUCT, MIN, MAX, AVG, BAND, BOR or BXOR")
+
+
+def op_label(op) -> str:
+    """A reduce op's name (a PREMUL_SUM op prints as an object address otherwise)."""
+    kind = getattr(op, "op", op)          # ReduceOp objects carry their RedOpType in .op
+    return getattr(kind, "name", None) or str(kind).rsplit(".", 1)[-1]
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 tensor over a contiguous tensor's storage (any dtype, any shape)."""
+    flat = t.detach().reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 def as_bytes(t: torch.Tensor):
-    """A uint8 numpy view of a contiguous tensor's storage (any dtype, any shape)."""
-    flat = t.detach().reshape(-1)
-    if flat.numel() == 0:
-        return flat.view(torch.uint8).numpy() if flat.element_size() == 1 else \
-            torch.empty(0, dtype=torch.uint8).numpy()
-    return flat.view(torch.uint8).numpy()
+    """A writable byte buffer over a contiguous tensor's storage, for the context's ops.
+
+    The extension takes anything with the buffer protocol.  Tensors lack it, and a numpy
+    view would make numpy a dependency (torch does not require it); a ctypes array over
+    the same memory has it, and keeps the tensor alive for as long as the buffer lives.
+    """
+    if not t.is_contiguous():
+        raise ValueError("as_bytes needs a contiguous tensor")
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return bytearray()
+    buf = (ctypes.c_ubyte * nbytes).from_address(t.data_ptr())
+    buf.owner = t
+    return buf
+
+
+def to_bytes(t: torch.Tensor) -> bytes:
+    """A copy of a contiguous tensor's storage as ``bytes``."""
+    return bytes(as_bytes(t))
 
 
 def _contig(t: torch.Tensor) -> torch.Tensor:
@@ -94,19 +124,19 @@ def allreduce_(ctx, t: torch.Tensor, op) -> None:
     if t.dtype in NATIVE:
         work = _contig(t)
         if work.numel():
-            ctx.allreduce(work.detach().reshape(-1).numpy(), op=name)
+            ctx.allreduce(as_bytes(work), op=name, dtype=NATIVE[work.dtype])
         _write_back(t, work)
         return
     if t.dtype in WIDEN_INT:
         work = t.to(torch.int64)
         if work.numel():
-            ctx.allreduce(work.reshape(-1).numpy(), op=name)
+            ctx.allreduce(as_bytes(work), op=name, dtype=NATIVE[work.dtype])
         t.copy_(work != 0 if t.dtype == torch.bool else work.to(t.dtype))
         return
     if t.dtype in HALF:
         work = t.to(torch.float32)
         if work.numel():
-            ctx.allreduce(work.reshape(-1).numpy(), op=name)
+            ctx.allreduce(as_bytes(work), op=name, dtype=NATIVE[work.dtype])
         t.copy_(work.to(t.dtype))
         return
     raise TypeError(f"the hpct backend cannot reduce tensors of dtype {t.dtype}")
@@ -119,32 +149,32 @@ def broadcast_(ctx, t: torch.Tensor, root: int) -> None:
     _write_back(t, work)
 
 
-def allgather_bytes(ctx, data) -> "torch.Tensor":
-    """Every rank's uint8 buffer (all of one length), as a (size, len) uint8 tensor."""
+def allgather_bytes(ctx, data: torch.Tensor) -> torch.Tensor:
+    """Every rank's flat uint8 tensor (all of one length), as a (size, len) uint8 tensor."""
     n = ctx.size
-    out = torch.empty((n, len(data)), dtype=torch.uint8)
-    if len(data):
-        ctx.allgather(data, out.reshape(-1).numpy())
+    out = torch.empty((n, data.numel()), dtype=torch.uint8)
+    if data.numel():
+        ctx.allgather(as_bytes(_contig(data)), as_bytes(out))
     return out
 
 
 def allgather_tensor(ctx, t: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's copy of ``t`` (same shape and dtype on every rank), in rank order."""
     src = _contig(t)
-    rows = allgather_bytes(ctx, as_bytes(src))
+    rows = allgather_bytes(ctx, byte_view(src))
     return [row.view(t.dtype).reshape(t.shape) if t.numel() else torch.empty_like(t) for row in rows]
 
 
-def allgather_varlen(ctx, data) -> list:
-    """Every rank's uint8 buffer of any length: lengths first, then the padded buffers."""
-    lengths = torch.tensor([len(data)], dtype=torch.int64)
+def allgather_varlen(ctx, data: torch.Tensor) -> list:
+    """Every rank's flat uint8 tensor of any length: lengths first, then the padded buffers."""
+    lengths = torch.tensor([data.numel()], dtype=torch.int64)
     all_len = allgather_tensor(ctx, lengths)
     sizes = [int(x.item()) for x in all_len]
     width = max(sizes) if sizes else 0
     padded = torch.zeros(width, dtype=torch.uint8)
-    if len(data):
-        padded[:len(data)] = torch.from_numpy(data)
-    rows = allgather_bytes(ctx, padded.numpy())
+    if data.numel():
+        padded[:data.numel()] = data
+    rows = allgather_bytes(ctx, padded)
     return [rows[i, :sizes[i]] for i in range(len(sizes))]
 
 
@@ -162,7 +192,7 @@ def alltoall_bytes(ctx, chunks: list) -> list:
     lens = torch.tensor([c.numel() for c in chunks], dtype=torch.int64)
     table = torch.stack(allgather_tensor(ctx, lens))            # table[src][dst]
     payload = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
-    rows = allgather_varlen(ctx, payload.numpy())
+    rows = allgather_varlen(ctx, payload)
     me = ctx.rank
     got = []
     for src in range(n):
@@ -195,18 +225,17 @@ def _copy_received(targets: list[torch.Tensor], got: list[torch.Tensor], what: s
 
 def all_to_all_single_(ctx, out, inp, out_splits, in_splits) -> None:
     n = ctx.size
-    sends = [as_bytes(_contig(c)) for c in split_rows(inp, in_splits, n)]
-    got = alltoall_bytes(ctx, [torch.from_numpy(s) for s in sends])
+    got = alltoall_bytes(ctx, [byte_view(_contig(c)) for c in split_rows(inp, in_splits, n)])
     _copy_received(split_rows(out, out_splits, n), got, "all_to_all_single: an output split")
 
 
 def alltoall_(ctx, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
-    got = alltoall_bytes(ctx, [torch.from_numpy(as_bytes(_contig(x))) for x in ins])
+    got = alltoall_bytes(ctx, [byte_view(_contig(x)) for x in ins])
     _copy_received(outs, got, "all_to_all: an output tensor")
 
 
 def gather_(ctx, outs: list[torch.Tensor] | None, inp: torch.Tensor, root: int) -> None:
-    rows = allgather_varlen(ctx, as_bytes(_contig(inp)))
+    rows = allgather_varlen(ctx, byte_view(_contig(inp)))
     if ctx.rank == root:
         for dst, data in zip(outs, rows):
             if data.numel():
@@ -222,23 +251,83 @@ def scatter_(ctx, out: torch.Tensor, ins: list[torch.Tensor] | None, root: int) 
     if ctx.rank == root:
         if len(ins) != n:
             raise ValueError(f"scatter: root needs {n} input tensors, got {len(ins)}")
-        parts = [torch.from_numpy(as_bytes(_contig(x))) for x in ins]
+        parts = [byte_view(_contig(x)) for x in ins]
         if [p.numel() for p in parts] != sizes:
             raise ValueError("scatter: input sizes at the root do not match the output sizes")
         if total:
             buf.copy_(torch.cat(parts))
     if total:
-        ctx.broadcast(buf.numpy(), root)
+        ctx.broadcast(as_bytes(buf), root)
     start = sum(sizes[:ctx.rank])
     if nbytes:
         out.copy_(buf[start:start + nbytes].view(out.dtype).reshape(out.shape))
 
 
-def send_(ctx, t: torch.Tensor, dst: int, tag: int) -> None:
-    ctx.send(as_bytes(_contig(t)), dst, tag)
+def isend_(ctx, t: torch.Tensor, dst: int, tag: int):
+    """Post a send of ``t`` (a contiguous copy if needed); returns (request, None).
+
+    The request holds the bytes it sends (the ctypes buffer keeps its tensor alive)."""
+    return ctx.isend(as_bytes(_contig(t)), dst, tag), None
 
 
-def recv_(ctx, t: torch.Tensor, src: int, tag: int) -> None:
+def irecv_(ctx, t: torch.Tensor, src: int, tag: int):
+    """Post a receive into ``t``; returns (request, finish): call finish() once the
+    request completed (it copies a non-contiguous target's staging buffer back)."""
     work = _contig(t)
-    ctx.recv(as_bytes(work), src, tag)
-    _write_back(t, work)
+    return ctx.irecv(as_bytes(work), src, tag), (None if work is t else lambda: t.copy_(work))
+
+
+def allgather_many(ctx, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Every rank's copies of ``tensors`` as ``[rank][i]``, in one allgather.
+
+    The tensors are packed as bytes, so one call carries any mix of dtypes and shapes
+    (the same list on every rank), and a tensor listed twice is simply sent twice.
+    """
+    views = [byte_view(_contig(t)) for t in tensors]
+    packed = torch.cat(views) if views else torch.empty(0, dtype=torch.uint8)
+    rows = allgather_bytes(ctx, packed)
+    out = []
+    for r in range(ctx.size):
+        row, start, mine = rows[r], 0, []
+        for t, v in zip(tensors, views):
+            n = v.numel()
+            mine.append(row[start:start + n].view(t.dtype).reshape(t.shape) if n else torch.empty_like(t))
+            start += n
+        out.append(mine)
+    return out
+
+
+def allreduce_coalesced_(ctx, tensors: list[torch.Tensor], op) -> None:
+    """One allreduce over the tensors packed end to end, written back to each.
+
+    A tensor listed twice contributes once per listing to the packed buffer, and every
+    listing receives the same reduced value (as ProcessGroupGloo): never reduced twice.
+    """
+    flat = torch.cat([_contig(t).reshape(-1) for t in tensors])
+    allreduce_(ctx, flat, op)
+    start = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[start:start + n].reshape(t.shape))
+        start += n
+
+
+def sparse_allreduce(ctx, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The SUM of sparse COO tensors over the local list and every rank, coalesced."""
+    local = tensors[0]
+    for t in tensors[1:]:
+        local = local + t
+    local = local.coalesce()
+    idx, vals = local.indices().contiguous(), local.values().contiguous()
+    all_idx = allgather_varlen(ctx, byte_view(idx))
+    all_vals = allgather_varlen(ctx, byte_view(vals))
+    dims, dense_shape = idx.shape[0], tuple(vals.shape[1:])
+    idx_parts, val_parts = [], []
+    for raw_i, raw_v in zip(all_idx, all_vals):
+        nnz = raw_i.numel() // (8 * dims) if dims else 0
+        idx_parts.append(raw_i.view(torch.int64).reshape(dims, nnz) if nnz else
+                         torch.empty((dims, 0), dtype=torch.int64))
+        val_parts.append(raw_v.view(vals.dtype).reshape((nnz,) + dense_shape) if nnz else
+                         torch.empty((0,) + dense_shape, dtype=vals.dtype))
+    return torch.sparse_coo_tensor(torch.cat(idx_parts, 1), torch.cat(val_parts, 0),
+                                   local.shape).coalesce()

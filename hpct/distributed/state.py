@@ -7,6 +7,8 @@ import io
 import torch
 import torch.distributed as dist
 
+from .ops import to_bytes
+
 
 def healthy_source(healthy: bool, group=None) -> int:
     """The lowest rank that calls with ``healthy=True`` (every rank of ``group`` must call)."""
@@ -36,7 +38,7 @@ def broadcast_object(obj, src: int, group=None):
     dist.broadcast(payload, global_src, group=group)
     if rank == src:
         return obj
-    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+    return torch.load(io.BytesIO(to_bytes(payload)), weights_only=False)
 
 
 def broadcast_state(module: torch.nn.Module, optimizer=None, src: int = 0, extra=None, group=None):

@@ -64,3 +64,63 @@ def _unpack(raw):
     if not ok:
         raise HpctError(value)
     return value
+
+
+class HpctP2PWork(HpctWork):
+    """The Work of a send or recv: the message is already posted; wait() completes it.
+
+    As with ProcessGroupGloo, the wait runs on the caller's thread (any number of sends
+    and receives may be in flight, in any order), and a ``timeout`` that expires fails the
+    group as the op timeout does.  ``is_completed()`` and ``get_future()`` start a
+    background wait (bounded by the op timeout), so polling or chaining never waits for a
+    wait() that nobody calls.
+    """
+
+    def __init__(self, requests, describe, on_error, result):
+        raw = Future()
+        super().__init__(raw, raw.then(_unpack))
+        self._requests = requests          # [(request, finish or None)]
+        self._describe = describe
+        self._on_error = on_error
+        self._result = result
+        self._finish_lock = threading.Lock()
+        self._waiter: threading.Thread | None = None
+
+    def _complete(self, seconds) -> None:
+        try:
+            for request, _ in self._requests:
+                request.wait(seconds)
+        except Exception as err:   # noqa: BLE001 -- the failure goes to the future
+            self._on_error(err)
+            outcome = (False, f"{self._describe}: {type(err).__name__}: {err}")
+        else:
+            outcome = (True, self._result)
+        with self._finish_lock:
+            if self._raw.done():
+                return
+            if outcome[0]:
+                for _, finish in self._requests:
+                    if finish is not None:
+                        finish()
+            self._raw.set_result(outcome)
+
+    def wait(self, timeout=None):
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        if not self._raw.done():
+            self._complete(seconds or None)
+        return super().wait()
+
+    def _start_waiter(self) -> None:
+        with self._finish_lock:
+            if self._waiter is None and not self._raw.done():
+                self._waiter = threading.Thread(target=self._complete, args=(None,), daemon=True,
+                                                name="hpct-p2p-wait")
+                self._waiter.start()
+
+    def is_completed(self):
+        self._start_waiter()
+        return self._raw.done()
+
+    def get_future(self):
+        self._start_waiter()
+        return self._fut

@@ -5,9 +5,12 @@ port plan (DESIGN.md) and connects the full mesh directly; no TCPStore is create
 listens on MASTER_PORT and rank 0 may start last.  Torch still wants a store object, so a
 process-local ``HashStore`` stands in; it is never shared.
 
-Groups: the default group is index 0; each ``dist.new_group`` takes torch's next group
-index ``g`` (its group name) and listens on slot ``g mod HPCT_PORT_SLOTS``.  Group ranks map
-to global ranks, global rank ``r`` lives on ``hosts[r // P]`` at ``B + (g mod S)*P + r % P``.
+Groups: the default group listens on slot 0; each ``dist.new_group`` takes the lowest slot
+that is free on every one of its members (slots.py: the members agree over the world group,
+no store), so up to HPCT_PORT_SLOTS groups may be alive at once in any create/destroy order.
+Group ranks map to global ranks; global rank ``r`` lives on ``hosts[r // P]`` at
+``B + slot*P + r % P``.  Torch's store is a process-local placeholder that fails at once
+where something waits on it (a Gloo subgroup, a store barrier) instead of at the timeout.
 
 Recovery: ``recover()`` aborts every hpct group of this process (bounded, even with an op
 in flight on another thread and a stopped peer), destroys torch's world (which resets the
@@ -30,7 +33,9 @@ from .. import _gloo
 from ..config import Config
 from ..errors import ConfigError, PortPlanError, RendezvousError
 from ..ports import host_of, port_of
+from . import slots
 from .backend import BACKEND_NAME, HpctProcessGroup
+from .slots import PlaceholderStore
 
 _LOCK = threading.RLock()
 
@@ -44,6 +49,7 @@ class _State:
     groups: list = []            # live HpctProcessGroup objects
     connecting: list = []        # contexts still connecting (abortable)
     last_init_s: float | None = None     # seconds spent in the last world connect
+    store = None                 # the world's PlaceholderStore (kept alive: see init_process_group)
 
 
 _state = _State()
@@ -89,16 +95,9 @@ def _create(dist_opts, backend_options=None):
     name = str(dist_opts.group_id)
     index = _group_index(name)
     p, s = cfg.nproc_per_node, cfg.port_slots
-    with _LOCK:
-        for pg in _state.groups:
-            if pg.group_index % s == index % s:
-                raise PortPlanError(
-                    f"group {name} (index {index}) needs port slot {index % s}, still held by live "
-                    f"group {pg.hpct_group_name} (index {pg.group_index}); HPCT_PORT_SLOTS={s} groups "
-                    f"may be alive at once",
-                    fix="destroy groups you no longer need, or raise HPCT_PORT_SLOTS on every rank")
+    slot = slots.choose(name, index, global_ranks, group_rank, live_groups(), cfg)
     try:
-        peers = [(host_of(cfg.hosts, r, p), port_of(cfg.gloo_port_base, index, r % p, p, s))
+        peers = [(host_of(cfg.hosts, r, p), port_of(cfg.gloo_port_base, slot, r % p, p, s))
                  for r in global_ranks]
     except PortPlanError as err:
         raise ConfigError(f"cannot place group {name} of {group_size} ranks: {err.problem}",
@@ -114,7 +113,7 @@ def _create(dist_opts, backend_options=None):
         host, port = peers[group_rank]
         raise PortPlanError(
             f"group {name}: global rank {global_ranks[group_rank]} cannot listen on {host}:{port} "
-            f"(port slot {index % s}): {err}",
+            f"(port slot {slot}): {err}",
             fix="another process holds the port: stop it, run `hpct ports check`, or move the plan "
                 "with HPCT_PORT_BASE") from None
     with _LOCK:
@@ -144,6 +143,7 @@ def _create(dist_opts, backend_options=None):
             ctx.close()
             raise
     pg = HpctProcessGroup(ctx, group_name=name, group_index=index, global_ranks=global_ranks)
+    pg.slot = slot
     pg.on_shutdown = _forget
     with _LOCK:
         _state.groups.append(pg)
@@ -202,7 +202,10 @@ def init_process_group(rank: int | None = None, world_size: int | None = None, *
     if not dist.is_initialized():
         c10d._world.group_count = 0      # a failed earlier attempt may have advanced it
     kwargs = {"timeout": timeout} if timeout is not None else {}
-    dist.init_process_group(BACKEND_NAME, store=dist.HashStore(), rank=rank, world_size=world_size,
+    # torch keeps only the C++ side of a Python store; the Python object must stay alive for
+    # its methods to be found when a Gloo subgroup calls them.
+    _state.store = PlaceholderStore()
+    dist.init_process_group(BACKEND_NAME, store=_state.store, rank=rank, world_size=world_size,
                             **kwargs)
     return dist.group.WORLD
 
@@ -219,8 +222,17 @@ def abort_all(reason: str = "aborted by hpct.distributed.abort_all") -> int:
 
 
 def shutdown_all(timeout: float = 10.0) -> None:
-    """Abort and release every hpct group, then forget torch's world (resets its group counter)."""
-    abort_all("shutting down")
+    """Release every hpct group, then forget torch's world (resets its group counter).
+
+    The clean exit (``dist.barrier(); shutdown_all()``): an idle group closes gracefully, so
+    peers still finishing the barrier read its last messages, then a goodbye, and fail
+    nothing; a group with an op in flight is aborted (see HpctProcessGroup.shutdown), and so
+    is a connect in progress.  For the fault path use abort_all() first (recover() does).
+    """
+    with _LOCK:
+        connecting = list(_state.connecting)
+    for ctx in connecting:
+        ctx.abort("shutting down")
     for pg in live_groups():
         pg.shutdown(timeout)
         _forget(pg)
@@ -249,6 +261,7 @@ def recover(world_size: int | None = None, rank: int | None = None, *, generatio
     if rank is None or world_size is None:
         raise ConfigError("recover() needs a world to rebuild: call init_process_group first, "
                           "or pass rank= and world_size=", fix="pass rank= and world_size=")
+    abort_all("recovering")       # the fault path: peers see a reset and fail at once
     shutdown_all()
     new_gen = current + 1 if generation is None else generation
     return init_process_group(rank, world_size, timeout=timeout, config=cfg, generation=new_gen)

@@ -11,6 +11,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <exception>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -43,6 +45,7 @@ PyObject* g_connect_timeout_error = nullptr;  // ConnectTimeoutError(GlooError, 
 PyObject* g_peer_error = nullptr;           // PeerError(GlooError, ConnectionError)
 PyObject* g_op_timeout_error = nullptr;     // OpTimeoutError(PeerError, TimeoutError)
 PyObject* g_address_in_use_error = nullptr; // AddressInUseError(GlooError, OSError)
+PyObject* g_stale_generation_error = nullptr; // StaleGenerationError(GlooError)
 
 PyObject* make_exception(py::module_& m, const char* name, PyObject* bases, const char* doc) {
   std::string qualified = std::string("hpct._gloo.") + name;
@@ -65,6 +68,18 @@ void translate(std::exception_ptr p) {
     PyErr_SetString(g_aborted_error, e.what());
   } catch (const gloo::ConnectTimeoutException& e) {
     PyErr_SetString(g_connect_timeout_error, e.what());
+  } catch (const gloo::StaleGenerationException& e) {
+    // The peer's generation travels as an attribute, for a caller that rejoins there.
+    PyObject* exc = PyObject_CallFunction(g_stale_generation_error, "s", e.what());
+    PyObject* newer = PyLong_FromUnsignedLong(e.newerGeneration);
+    if (exc != nullptr && newer != nullptr &&
+        PyObject_SetAttrString(exc, "newer_generation", newer) == 0) {
+      PyErr_SetObject(g_stale_generation_error, exc);
+    } else if (!PyErr_Occurred()) {
+      PyErr_SetString(g_stale_generation_error, e.what());
+    }
+    Py_XDECREF(newer);
+    Py_XDECREF(exc);
   } catch (const gloo::IoException& e) {
     const std::string what = e.what();
     if (what.find("Timed out waiting") != std::string::npos ||
@@ -82,6 +97,26 @@ void translate(std::exception_ptr p) {
     } else {
       PyErr_SetString(g_gloo_error, e.what());
     }
+  }
+}
+
+// Run `body` without the GIL.  The GIL is taken back in a plain call, not in
+// a destructor (py::gil_scoped_release): when the interpreter finalizes while
+// a daemon thread is in here, taking the GIL back ends that thread by
+// unwinding its stack, and an unwind through a destructor (noexcept) is
+// std::terminate: the whole process dies at exit.
+template <typename F>
+void without_gil(F&& body) {
+  PyThreadState* saved = PyEval_SaveThread();
+  std::exception_ptr failure;
+  try {
+    body();
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  PyEval_RestoreThread(saved);
+  if (failure) {
+    std::rethrow_exception(failure);
   }
 }
 
@@ -182,12 +217,94 @@ std::chrono::milliseconds to_ms(double seconds, const char* what) {
   return std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000.0)));
 }
 
+// One posted point-to-point message: the send or receive is under way on
+// the device thread as soon as it is posted; wait() blocks (without the GIL)
+// until it completed, failed or timed out.  Posting never waits for the peer,
+// so any order of sends and receives on two ranks completes, as with
+// ProcessGroupGloo.  wait() may be called again (or from several threads): the
+// outcome of the first is kept.  The request keeps the transport context and
+// the caller's buffer alive; the unbound buffer is released first (its
+// destructor waits until the device thread no longer uses it), then the
+// buffer.
+class P2PRequest {
+ public:
+  P2PRequest(std::shared_ptr<gloo::Context> ctx, std::shared_ptr<std::atomic<int>> pending,
+             py::buffer_info info, bool is_send, int peer, uint32_t tag,
+             std::chrono::milliseconds timeout)
+      : ctx_(std::move(ctx)), pending_(std::move(pending)), info_(std::move(info)),
+        is_send_(is_send), peer_(peer), tag_(tag), timeout_(timeout) {
+    (*pending_)++;
+  }
+
+  ~P2PRequest() {
+    ubuf_.reset();
+    if (!finished_) (*pending_)--;
+  }
+
+  // Post the operation (called once, right after construction, without the GIL).
+  void post(void* ptr, size_t nbytes) {
+    ubuf_ = ctx_->createUnboundBuffer(ptr, nbytes);
+    if (is_send_) {
+      ubuf_->send(peer_, p2p_slot(tag_));
+    } else {
+      ubuf_->recv(peer_, p2p_slot(tag_));
+    }
+  }
+
+  // timeout: None waits for the context's op timeout; a shorter one that
+  // expires fails the context, as any op timeout does (Gloo's semantics).
+  void wait(const py::object& timeout) {
+    std::chrono::milliseconds limit = timeout_;
+    if (!timeout.is_none()) limit = to_ms(timeout.cast<double>(), "timeout");
+    without_gil([&] {
+      std::lock_guard<std::mutex> guard(m_);
+      if (!finished_) {
+        try {
+          if (is_send_) {
+            ubuf_->waitSend(limit);
+          } else {
+            ubuf_->waitRecv(limit);
+          }
+        } catch (...) {
+          error_ = std::current_exception();
+        }
+        finished_ = true;
+        (*pending_)--;
+      }
+      if (error_) std::rethrow_exception(error_);
+    });
+  }
+
+  bool completed() {
+    std::unique_lock<std::mutex> guard(m_, std::try_to_lock);
+    return guard && finished_ && !error_;
+  }
+  bool is_send() const { return is_send_; }
+  int peer() const { return peer_; }
+  uint32_t tag() const { return tag_; }
+  size_t nbytes() const { return static_cast<size_t>(info_.size) * info_.itemsize; }
+
+ private:
+  const std::shared_ptr<gloo::Context> ctx_;
+  const std::shared_ptr<std::atomic<int>> pending_;
+  py::buffer_info info_;                       // released after ubuf_
+  std::unique_ptr<gloo::transport::UnboundBuffer> ubuf_;
+  const bool is_send_;
+  const int peer_;
+  const uint32_t tag_;
+  const std::chrono::milliseconds timeout_;
+  std::mutex m_;
+  bool finished_ = false;
+  std::exception_ptr error_;
+};
+
 class StorelessContext {
  public:
   StorelessContext(int rank, int size, uint32_t generation,
                    std::vector<std::pair<std::string, int>> peers, double timeout,
                    double connect_timeout, bool connect, double retry_delay_initial,
-                   double retry_delay_max, double bind_retry_timeout)
+                   double retry_delay_max, double bind_retry_timeout, double ack_timeout,
+                   double keepalive_idle, double keepalive_interval, int keepalive_count)
       : rank_(rank), size_(size), generation_(generation), peers_(std::move(peers)) {
     if (size < 1) throw py::value_error("size must be at least 1");
     if (rank < 0 || rank >= size) {
@@ -219,6 +336,22 @@ class StorelessContext {
     options_.retryDelayInitial =
         to_ms(std::max(retry_delay_initial, 0.001), "retry_delay_initial");
     options_.retryDelayMax = to_ms(std::max(retry_delay_max, 0.001), "retry_delay_max");
+    options_.ackTimeout = to_ms(ack_timeout, "ack_timeout");
+    // keepalive_idle 0 turns the probes off; the kernel counts whole seconds.
+    if (!(keepalive_idle >= 0) || !std::isfinite(keepalive_idle)) {
+      throw py::value_error("keepalive_idle must be 0 (off) or a positive number of seconds");
+    }
+    if (keepalive_idle > 0) {
+      options_.keepaliveIdle = to_ms(keepalive_idle, "keepalive_idle");
+      options_.keepaliveInterval = to_ms(keepalive_interval, "keepalive_interval");
+      if (keepalive_count < 1 || keepalive_count > 127) {
+        throw py::value_error("keepalive_count must be between 1 and 127 (got " +
+                              std::to_string(keepalive_count) + ")");
+      }
+      options_.keepaliveCount = keepalive_count;
+    } else {
+      options_.keepaliveIdle = std::chrono::milliseconds(0);
+    }
     for (const auto& p : peers_) {
       gloo::transport::StorelessPeer sp;
       sp.host = p.first;
@@ -233,10 +366,7 @@ class StorelessContext {
         bind_retry_timeout <= 0 ? 0 : static_cast<int>(std::ceil(bind_retry_timeout * 1000.0));
     context_ = std::make_shared<gloo::rendezvous::Context>(rank, size);
     context_->setTimeout(timeout_);
-    {
-      py::gil_scoped_release nogil;
-      device_ = gloo::transport::tcp::CreateDevice(attr);
-    }
+    without_gil([&] { device_ = gloo::transport::tcp::CreateDevice(attr); });
     if (connect) {
       this->connect();
     }
@@ -263,24 +393,26 @@ class StorelessContext {
       ctx = context_;
       dev = device_;
     }
-    py::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> op(op_);
-    ctx->connectFullMeshStoreless(options_, dev);
-    connected_ = true;
+    without_gil([&] {
+      std::lock_guard<std::mutex> op(op_);
+      ctx->connectFullMeshStoreless(options_, dev);
+      connected_ = true;
+    });
   }
 
   void abort(const std::string& reason) {
-    py::gil_scoped_release nogil;
-    std::shared_ptr<gloo::rendezvous::Context> ctx;
-    std::shared_ptr<gloo::transport::Device> dev;
-    {
-      std::lock_guard<std::mutex> guard(state_);
-      ctx = context_;
-      dev = device_;
-    }
-    if (ctx) ctx->abort(reason);
-    // Free the port even if connect never started.
-    if (dev) std::static_pointer_cast<gloo::transport::tcp::Device>(dev)->shutdown();
+    without_gil([&] {
+      std::shared_ptr<gloo::rendezvous::Context> ctx;
+      std::shared_ptr<gloo::transport::Device> dev;
+      {
+        std::lock_guard<std::mutex> guard(state_);
+        ctx = context_;
+        dev = device_;
+      }
+      if (ctx) ctx->abort(reason);
+      // Free the port even if connect never started.
+      if (dev) std::static_pointer_cast<gloo::transport::tcp::Device>(dev)->shutdown();
+    });
   }
 
   // Close: when no operation is running, close the connections gracefully
@@ -288,8 +420,7 @@ class StorelessContext {
   // first.  Then release the device (frees the port, joins its event-loop
   // thread).
   void close() {
-    py::gil_scoped_release nogil;
-    shutdown("context closed", true);
+    without_gil([&] { shutdown("context closed", true); });
   }
 
   bool aborted() {
@@ -305,6 +436,34 @@ class StorelessContext {
     }
     if (!dev) return rejected_at_close_;
     return std::static_pointer_cast<gloo::transport::tcp::Device>(dev)->rejectedConnections();
+  }
+
+  // Connections refused for another generation, by initiator rank:
+  // {rank: (last generation, count, host)}.
+  py::dict refusals() {
+    std::shared_ptr<gloo::transport::Device> dev;
+    {
+      std::lock_guard<std::mutex> guard(state_);
+      dev = device_;
+    }
+    auto records = dev ? std::static_pointer_cast<gloo::transport::tcp::Device>(dev)->refusals()
+                       : refusals_at_close_;
+    py::dict out;
+    for (const auto& r : records) {
+      out[py::int_(r.first)] = py::make_tuple(r.second.lastGeneration, r.second.count,
+                                              r.second.from);
+    }
+    return out;
+  }
+
+  size_t dropped_connections() {
+    std::shared_ptr<gloo::transport::Device> dev;
+    {
+      std::lock_guard<std::mutex> guard(state_);
+      dev = device_;
+    }
+    if (!dev) return dropped_at_close_;
+    return std::static_pointer_cast<gloo::transport::tcp::Device>(dev)->droppedConnections();
   }
 
   void allreduce(py::buffer buf, const std::string& op, const py::object& dtype) {
@@ -376,29 +535,24 @@ class StorelessContext {
     });
   }
 
+  // Post a send (recv) and return at once; the request's wait() completes it.
+  std::unique_ptr<P2PRequest> isend(py::buffer buf, int dst, uint32_t tag) {
+    return post(std::move(buf), dst, tag, true);
+  }
+
+  std::unique_ptr<P2PRequest> irecv(py::buffer buf, int src, uint32_t tag) {
+    return post(std::move(buf), src, tag, false);
+  }
+
   void send(py::buffer buf, int dst, uint32_t tag) {
-    check_peer(dst, "dst");
-    py::buffer_info info = buf.request(false);
-    void* ptr = info.ptr;
-    const size_t nbytes = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
-    run([&](const std::shared_ptr<gloo::Context>& ctx) {
-      auto ubuf = ctx->createUnboundBuffer(ptr, nbytes);
-      ubuf->send(dst, p2p_slot(tag));
-      ubuf->waitSend(timeout_);
-    });
+    isend(std::move(buf), dst, tag)->wait(py::none());
   }
 
   void recv(py::buffer buf, int src, uint32_t tag) {
-    check_peer(src, "src");
-    py::buffer_info info = buf.request(true);
-    void* ptr = info.ptr;
-    const size_t nbytes = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
-    run([&](const std::shared_ptr<gloo::Context>& ctx) {
-      auto ubuf = ctx->createUnboundBuffer(ptr, nbytes);
-      ubuf->recv(src, p2p_slot(tag));
-      ubuf->waitRecv(timeout_);
-    });
+    irecv(std::move(buf), src, tag)->wait(py::none());
   }
+
+  int pending_p2p() const { return pending_->load(); }
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -429,6 +583,29 @@ class StorelessContext {
     }
   }
 
+  // Point-to-point operations do not take the one-op-at-a-time lock: they
+  // only post to the device thread, which runs them beside a collective
+  // (their slots never meet a collective's), and are waited on later.
+  std::unique_ptr<P2PRequest> post(py::buffer buf, int peer, uint32_t tag, bool is_send) {
+    check_peer(peer, is_send ? "dst" : "src");
+    py::buffer_info info = buf.request(!is_send);
+    void* ptr = info.ptr;
+    const size_t nbytes = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+    std::shared_ptr<gloo::rendezvous::Context> ctx;
+    {
+      std::lock_guard<std::mutex> guard(state_);
+      if (closed_) throw_closed();
+      if (!connected_) {
+        throw py::value_error("the context is not connected; call connect() first");
+      }
+      ctx = context_;
+    }
+    auto req = std::make_unique<P2PRequest>(ctx, pending_, std::move(info), is_send, peer, tag,
+                                            timeout_);
+    without_gil([&] { req->post(ptr, nbytes); });
+    return req;
+  }
+
   // Run one blocking operation without the GIL, one at a time.
   template <typename F>
   void run(F&& body) {
@@ -441,10 +618,11 @@ class StorelessContext {
       }
       ctx = context_;
     }
-    py::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> op(op_);
-    std::shared_ptr<gloo::Context> base = ctx;
-    body(base);
+    without_gil([&] {
+      std::lock_guard<std::mutex> op(op_);
+      std::shared_ptr<gloo::Context> base = ctx;
+      body(base);
+    });
   }
 
   void shutdown(const std::string& reason, bool graceful) {
@@ -458,16 +636,21 @@ class StorelessContext {
       dev = device_;
     }
     std::unique_lock<std::mutex> op(op_, std::defer_lock);
-    if (!graceful || !op.try_lock()) {
-      // An operation (or the connect) is running: abort it, then wait
-      // for it to return.
+    const bool idle = graceful && op.try_lock();
+    if (!idle || pending_->load() > 0) {
+      // An operation (or the connect) is running, or a point-to-point
+      // message is still under way: abort it, then wait for it to return.
+      // (A request keeps the transport context alive; the abort wakes its
+      // waiter and frees the port.)
       if (ctx) ctx->abort(reason);
       if (dev) std::static_pointer_cast<gloo::transport::tcp::Device>(dev)->shutdown();
-      op.lock();
+      if (!idle) op.lock();
     }
     if (dev) {
-      rejected_at_close_ =
-          std::static_pointer_cast<gloo::transport::tcp::Device>(dev)->rejectedConnections();
+      auto tcp = std::static_pointer_cast<gloo::transport::tcp::Device>(dev);
+      rejected_at_close_ = tcp->rejectedConnections();
+      refusals_at_close_ = tcp->refusals();
+      dropped_at_close_ = tcp->droppedConnections();
     }
     std::lock_guard<std::mutex> guard(state_);
     ctx.reset();
@@ -490,8 +673,12 @@ class StorelessContext {
   bool connect_started_ = false;
   std::atomic<bool> connected_{false};
   size_t rejected_at_close_ = 0;
+  std::map<uint32_t, gloo::transport::tcp::Listener::Refusals> refusals_at_close_;
+  size_t dropped_at_close_ = 0;
 
-  std::mutex op_;  // serialises blocking operations
+  std::mutex op_;  // serialises blocking operations (not point-to-point ones)
+  // Point-to-point requests posted and not yet finished (shared with them).
+  std::shared_ptr<std::atomic<int>> pending_ = std::make_shared<std::atomic<int>>(0);
 };
 
 }  // namespace
@@ -529,28 +716,59 @@ void bind_context(py::module_& m) {
         m, "AddressInUseError", bases.ptr(),
         "The listening port stayed in use for the whole bind retry window.");
   }
+  g_stale_generation_error = make_exception(
+      m, "StaleGenerationError", g_gloo_error,
+      "This process's generation is older than its peers': a peer refused its connection "
+      "or connected with a newer generation.  It can never join; the message names the "
+      "peer and both generations, and newer_generation holds the peer's.");
   py::register_exception_translator(&translate);
+
+  py::class_<P2PRequest>(m, "Request", R"doc(
+A posted send or receive (Context.isend / Context.irecv).
+
+wait(timeout=None) blocks until the message went through (a receive's buffer then holds
+it); it raises PeerError, OpTimeoutError or AbortedError as an op would.  timeout
+defaults to the context's op timeout; a timeout that expires fails the context (as any
+op timeout does).  wait() may be called again: it repeats the first outcome.
+)doc")
+      .def("wait", &P2PRequest::wait, py::arg("timeout") = py::none())
+      .def_property_readonly("completed", &P2PRequest::completed,
+                             "True once wait() returned successfully.")
+      .def_property_readonly("is_send", &P2PRequest::is_send)
+      .def_property_readonly("peer", &P2PRequest::peer)
+      .def_property_readonly("tag", &P2PRequest::tag)
+      .def_property_readonly("nbytes", &P2PRequest::nbytes);
 
   py::class_<StorelessContext>(m, "Context", R"doc(
 A storeless Gloo context: full mesh over TCP, no store, no root.
 
 Context(rank, size, generation, peers, timeout=30.0, connect_timeout=60.0,
         connect=True, retry_delay_initial=0.01, retry_delay_max=0.5,
-        bind_retry_timeout=2.0)
+        bind_retry_timeout=2.0, ack_timeout=1.0, keepalive_idle=5.0,
+        keepalive_interval=1.0, keepalive_count=5)
 
 peers[i] is (host, port) where rank i listens; peers[rank] is this process's own
 listening address (bound exactly).  The generation (< 2**31) is carried in every
-connection handshake: connections of another generation are rejected.  timeout is
-the op timeout in seconds; connect_timeout the deadline for the whole connect.
+connection handshake: connections of another generation are refused (the refusal
+names this generation; a process that learns it is older fails at once with
+StaleGenerationError).  timeout is the op timeout in seconds; connect_timeout the
+deadline for the whole connect.  ack_timeout bounds one connect attempt until the
+peer acknowledges it (doubling per peer after each expiry, up to 8x); an attempt
+past it is retried, so a listener that vanished with its reset lost costs about
+that long.  Established connections are probed after keepalive_idle seconds of
+silence, every keepalive_interval seconds, and fail after keepalive_count
+unanswered probes (the same bound applies to unacknowledged data); 0 turns it off.
 With connect=False call connect() later (e.g. in a thread, to abort it).
 Every blocking method releases the GIL; abort() may be called from any thread.
 )doc")
       .def(py::init<int, int, uint32_t, std::vector<std::pair<std::string, int>>, double, double,
-                    bool, double, double, double>(),
+                    bool, double, double, double, double, double, double, int>(),
            py::arg("rank"), py::arg("size"), py::arg("generation"), py::arg("peers"),
            py::arg("timeout") = 30.0, py::arg("connect_timeout") = 60.0,
            py::arg("connect") = true, py::arg("retry_delay_initial") = 0.01,
-           py::arg("retry_delay_max") = 0.5, py::arg("bind_retry_timeout") = 2.0)
+           py::arg("retry_delay_max") = 0.5, py::arg("bind_retry_timeout") = 2.0,
+           py::arg("ack_timeout") = 1.0, py::arg("keepalive_idle") = 5.0,
+           py::arg("keepalive_interval") = 1.0, py::arg("keepalive_count") = 5)
       .def("connect", &StorelessContext::connect,
            "Connect the full mesh (blocks until every peer is connected or the connect "
            "deadline passes: ConnectTimeoutError naming the missing ranks).")
@@ -569,9 +787,19 @@ Every blocking method releases the GIL; abort() may be called from any thread.
            "Gather every rank's input into output (size * len(input) bytes), in rank order.")
       .def("barrier", &StorelessContext::barrier)
       .def("send", &StorelessContext::send, py::arg("buffer"), py::arg("dst"),
-           py::arg("tag") = 0, "Send a buffer to rank dst (blocks until sent).")
+           py::arg("tag") = 0,
+           "Send a buffer to rank dst; blocks until the peer received it (isend + wait).")
       .def("recv", &StorelessContext::recv, py::arg("buffer"), py::arg("src"),
-           py::arg("tag") = 0, "Receive into a writable buffer from rank src.")
+           py::arg("tag") = 0, "Receive into a writable buffer from rank src (irecv + wait).")
+      .def("isend", &StorelessContext::isend, py::arg("buffer"), py::arg("dst"),
+           py::arg("tag") = 0,
+           "Post a send of a buffer to rank dst and return a Request at once; the buffer must "
+           "stay unchanged until Request.wait() returns.")
+      .def("irecv", &StorelessContext::irecv, py::arg("buffer"), py::arg("src"),
+           py::arg("tag") = 0,
+           "Post a receive into a writable buffer from rank src and return a Request at once.")
+      .def_property_readonly("pending_p2p", &StorelessContext::pending_p2p,
+                             "Point-to-point requests posted and not yet waited for.")
       .def_property_readonly("rank", &StorelessContext::rank)
       .def_property_readonly("size", &StorelessContext::size)
       .def_property_readonly("generation", &StorelessContext::generation)
@@ -581,7 +809,14 @@ Every blocking method releases the GIL; abort() may be called from any thread.
       .def_property_readonly("connected", &StorelessContext::connected)
       .def_property_readonly("aborted", &StorelessContext::aborted)
       .def_property_readonly("rejected_connections", &StorelessContext::rejected_connections,
-                             "Connections of another generation rejected by this listener.")
+                             "Connections of another generation refused by this listener.")
+      .def_property_readonly("refusals", &StorelessContext::refusals,
+                             "Connections refused for another generation, by the initiator's "
+                             "rank: {rank: (its generation, count, its host)}.")
+      .def_property_readonly("dropped_connections", &StorelessContext::dropped_connections,
+                             "Incoming connections this listener closed because they failed or "
+                             "their peer had gone before a pair took them (a peer that gave up, "
+                             "or a client that is not a rank).")
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__", [](StorelessContext& self, py::args) {
         self.close();
