@@ -4,6 +4,10 @@
 # rootless demo: start, train, lose a rank, recover in-process, compare with stock.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. ci/python.sh
+hpct_pick_python
 bash ci/setup.sh
-python3 -m hpct.build all
-hpct demo
+"$PYTHON" -m hpct.build all
+# The demo runs through the installed console script, as a user would run `hpct demo`.
+hpct=$(hpct_console_script hpct)
+"$hpct" demo

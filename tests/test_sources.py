@@ -102,8 +102,10 @@ def test_no_deb_src_and_no_network_says_how_to_fix(scratch_root, tmp_path):
     conf = tmp_path / "apt.conf"
     conf.write_text(f'Dir::Etc::SourceList "/dev/null";\nDir::Etc::SourceParts "{tmp_path}/parts";\n'
                     f'Dir::State::Lists "{tmp_path}/lists";\n')
+    # A closed proxy keeps the upstream URL provider from succeeding where GitHub is reachable.
+    closed = "http://127.0.0.1:9"
     proc = run_cli("hpct-build", "fetch", "gloo", "--root", str(scratch_root),
-                   env={"APT_CONFIG": str(conf)}, timeout=120)
+                   env={"APT_CONFIG": str(conf), "https_proxy": closed, "HTTPS_PROXY": closed}, timeout=120)
     assert proc.returncode == 3, proc.stderr
     assert "no deb-src entry lets apt find gloo=0.0~git20231202.5354032-3" in proc.stderr
     assert "ci/setup.sh" in proc.stderr and "--source" in proc.stderr
@@ -127,11 +129,27 @@ def _nccl_tree(root: Path, minor: int) -> Path:
     return root
 
 
-def test_nccl_source_tree_of_the_pinned_version_is_accepted(scratch_root, tmp_path):
+def test_nccl_tree_that_claims_the_pin_but_differs_is_refused(scratch_root, tmp_path):
     tree = _nccl_tree(tmp_path / "nccl", 21)
     proc = run_cli("hpct-build", "fetch", "nccl", "--source", str(tree), "--root", str(scratch_root))
-    assert proc.returncode == 0, proc.stderr
-    assert (scratch_root / "third_party/src/nccl-2.21.5/makefiles/version.mk").is_file()
+    assert proc.returncode == 3, proc.stderr
+    assert f"{tree} is not nccl 2.21.5: its tree digest is " in proc.stderr
+    assert "the pin is 164c40dd1295245c" in proc.stderr
+    assert not (scratch_root / "third_party/src/nccl-2.21.5").exists()
+
+
+def test_nccl_tarball_with_another_sha256_is_refused(scratch_root, tmp_path):
+    import tarfile
+    tree = _nccl_tree(tmp_path / "nccl-2.21.5-1", 21)
+    (tree / "src").mkdir()
+    (tree / "src" / "init.cc").write_text("// not NCCL\n")
+    archive = tmp_path / "nccl-2.21.5-1.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(tree, arcname="nccl-2.21.5-1")
+    proc = run_cli("hpct-build", "fetch", "nccl", "--source", str(archive), "--root", str(scratch_root))
+    assert proc.returncode == 3, proc.stderr
+    assert f"{archive} is not nccl 2.21.5: its tree digest is " in proc.stderr
+    assert not (scratch_root / "third_party/src/nccl-2.21.5").exists()
 
 
 def test_nccl_source_from_environment_of_wrong_version_is_rejected(scratch_root, tmp_path):

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..errors import ConfigError
-from .layout import Layout, find_root
+from .layout import WORKDIR_ENV, Layout, resolve_layout
 from .progress import Progress
 from .sources import Manifest, components, load_manifest
 
@@ -14,6 +14,10 @@ from .sources import Manifest, components, load_manifest
 def add_root(p: argparse.ArgumentParser) -> None:
     p.add_argument("--root", type=Path, default=None,
                    help="the hpct checkout (default: found from the current directory)")
+    p.add_argument("--workdir", type=Path, default=None,
+                   help=f"work in this folder instead of the checkout (default: ${WORKDIR_ENV}); "
+                        "it gets a copy of the manifests and patches: the checkout's, or outside one "
+                        "those the installed hpct carries")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
 
@@ -23,7 +27,7 @@ def add_components(p: argparse.ArgumentParser, nargs: str = "*") -> None:
 
 
 def layout_of(args: argparse.Namespace) -> Layout:
-    return Layout(find_root(args.root))
+    return resolve_layout(getattr(args, "root", None), getattr(args, "workdir", None))
 
 
 def progress_of(args: argparse.Namespace) -> Progress:

@@ -7,10 +7,13 @@ import argparse
 from ..cliutil import print_json
 from ..errors import ConfigError
 from .builder import build_gloo
+from .nccl import build_nccl
 from .common import add_components, add_root, layout_of, manifests_of, progress_of
 
-RECIPES = {"gloo": build_gloo, "pytorch": None}   # pytorch: hpct.build.pytorch (options below)
-PYTORCH_ONLY = ("dry_run", "json", "cuda", "cuda_arch", "nccl")
+RECIPES = {"gloo": build_gloo, "pytorch": None, "nccl": build_nccl}   # pytorch: hpct.build.pytorch
+# option -> the components it applies to (any other component refuses it)
+SCOPED = {"dry_run": ("pytorch",), "json": ("pytorch",), "nccl": ("pytorch",),
+          "cuda": ("pytorch", "nccl"), "cuda_arch": ("pytorch", "nccl"), "funcs": ("nccl",)}
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -22,20 +25,33 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     torch.add_argument("--dry-run", action="store_true",
                        help="print the exact environment and commands of the build, run nothing")
     torch.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
-    torch.add_argument("--cuda", action="store_true", help="build with CUDA (default: CPU only)")
+    torch.add_argument("--cuda", nargs="?", const=True, default=None, metavar="VERSION",
+                       help="pytorch: build with CUDA (default: CPU only); nccl: the CUDA version "
+                            "to build with, 12.4 (default) or 12.8")
     torch.add_argument("--cuda-arch", default=None, metavar="LIST",
-                       help="TORCH_CUDA_ARCH_LIST, e.g. '8.0;9.0' (default with --cuda: 8.0;9.0)")
+                       help="pytorch: TORCH_CUDA_ARCH_LIST, e.g. '8.0;9.0' (default with --cuda: 8.0;9.0); "
+                            "nccl: compute capabilities, e.g. 80,90 (the default)")
     torch.add_argument("--nccl", default=None, metavar="hpct|bundled|PREFIX",
                        help="NCCL of a CUDA build: hpct's patched build (default), PyTorch's bundled "
                             "one, or an install prefix")
+    nccl = p.add_argument_group("nccl")
+    nccl.add_argument("--funcs", default=None, metavar="SPEC",
+                      help="NCCL's ONLY_FUNCS: build only these collectives' device code, e.g. "
+                           "\"SendRecv\" or \"AllReduce Sum f32 * *|SendRecv\" (default: all; ~16 min)")
 
 
 def execute(args: argparse.Namespace) -> int:
     layout, progress = layout_of(args), progress_of(args)
     manifests = manifests_of(layout, args.components)
-    used = [f"--{o.replace('_', '-')}" for o in PYTORCH_ONLY if getattr(args, o, None)]
-    if used and any(m.name != "pytorch" for m in manifests):
-        raise ConfigError(f"{', '.join(used)} apply to `build pytorch` only", fix="build pytorch on its own")
+    for opt, scope in SCOPED.items():
+        others = [m.name for m in manifests if m.name not in scope]
+        if getattr(args, opt, None) and others:
+            flag = f"--{opt.replace('_', '-')}"
+            raise ConfigError(f"{flag} apply to `build {' or '.join(scope)}` only (not {', '.join(others)})",
+                              fix=f"build {' or '.join(scope)} on its own")
+    if args.cuda is not None and args.cuda is not True and any(m.name == "pytorch" for m in manifests):
+        raise ConfigError(f"`build pytorch --cuda` takes no version (got {args.cuda!r}): it uses the "
+                          "CUDA that CUDA_HOME or nvcc on PATH provides", fix="write --cuda alone")
     if args.json and not args.dry_run:
         raise ConfigError("--json needs --dry-run", fix="add --dry-run")
     for m in manifests:
@@ -44,7 +60,7 @@ def execute(args: argparse.Namespace) -> int:
                               fix=f"build one of: {', '.join(RECIPES)}")
         if m.name == "pytorch":
             from . import pytorch
-            opts = dict(cuda=args.cuda, cuda_arch=args.cuda_arch, nccl=args.nccl, jobs=args.jobs)
+            opts = dict(cuda=bool(args.cuda), cuda_arch=args.cuda_arch, nccl=args.nccl, jobs=args.jobs)
             if args.dry_run:
                 plan = pytorch.plan(layout, m, **opts)
                 if args.json:
@@ -54,6 +70,12 @@ def execute(args: argparse.Namespace) -> int:
                 continue
             wheel = pytorch.build(layout, m, progress, **opts)
             print(f"{m.name} {m.version}: wheel at {wheel}")
+            continue
+        if m.name == "nccl":
+            prefix = build_nccl(layout, m, progress, tests=args.tests, jobs=args.jobs,
+                                cuda=None if args.cuda is True else args.cuda,
+                                cuda_arch=args.cuda_arch, funcs=args.funcs)
+            print(f"{m.name} {m.version}: installed at {prefix}")
             continue
         prefix = RECIPES[m.name](layout, m, progress, tests=args.tests, jobs=args.jobs)
         print(f"{m.name} {m.version}: installed at {prefix}")

@@ -15,6 +15,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     add_components(p)
     p.add_argument("--check", action="store_true",
                    help="apply to a scratch copy of the pristine tree and discard it")
+    p.add_argument("--record-sha256", action="store_true",
+                   help="like --check, then write the touched files' sha256 beside the series "
+                        f"({patches.TOUCHED_SHA256}); later applies verify them")
 
 
 def execute(args: argparse.Namespace) -> int:
@@ -25,8 +28,8 @@ def execute(args: argparse.Namespace) -> int:
             progress.step(f"{m.name} {m.version}: no patch series; nothing to apply")
             continue
         fetch(layout, m, progress, source=source_for(m, None))
-        if args.check:
-            patches.check(layout, m, progress)
+        if args.check or args.record_sha256:
+            patches.check(layout, m, progress, record=args.record_sha256)
             print(f"{m.name} {m.version}: all {len(series.entries)} patches apply "
                   f"(series {series.identity()})")
         else:

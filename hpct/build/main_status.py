@@ -53,7 +53,7 @@ def execute(args: argparse.Namespace) -> int:
         series = f"{r['patches']} patches {r['series_id']}" if r["series_id"] else f"ERROR {r['series_error']}"
         if r["patches"] == 0 and r["series_id"]:
             series = "none"
-        built = yes(r["built"]) if r["name"] == "gloo" else "-"
+        built = yes(r["built"]) if r["name"] in ("gloo", "nccl") else "-"
         print(f"{r['name']:10} {r['version']:9} {fetched:14} {series:24} {yes(r['patched']) if r['patches'] else '-':8} {built:6}")
     if wheel.get("installed"):
         ext = f"extension series {wheel['series_id']}" if wheel.get("extension") else \

@@ -19,10 +19,14 @@ from pathlib import Path
 from ..errors import PatchError, SourceError, ToolchainError
 from .layout import Layout, atomic_dir, write_atomic
 from .progress import Progress
-from .sources import STAMP, Manifest
+from .sources import STAMP, Manifest, sha256_of
 
 PATCHED_STAMP = ".hpct-patched.json"
 DEP3_FIELDS = ("Description", "Origin", "Forwarded", "Last-Update")
+# Beside a series: the sha256 of every file it touches, as the patched pin must have them.
+TOUCHED_SHA256 = "touched.sha256"
+_DIFF = re.compile(r"^diff --git a/(\S+) b/(\S+)$", re.MULTILINE)
+_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,135 @@ def lint_patch(path: Path) -> list[str]:
     return problems
 
 
+def _file_diffs(text: str) -> list[tuple[str, str]]:
+    """(path, diff body) for each file of a patch, in order."""
+    starts = list(_DIFF.finditer(text))
+    ends = [m.start() for m in starts[1:]] + [len(text)]
+    return [(m.group(2), text[m.end():end]) for m, end in zip(starts, ends)]
+
+
+def lint_insertion_only(path: Path) -> list[str]:
+    """Problems that stop a patch from being new files plus zero-context insertions.
+
+    Such a patch carries no line of the upstream tree: each hunk of a changed
+    file is ``@@ -L,0 +M,K @@`` followed by K added lines and nothing else.
+    """
+    problems = []
+    # git format-patch ends with a "-- \n<version>" signature that is no hunk line.
+    text = path.read_text(errors="replace").split("\n-- \n", 1)[0]
+    for name, body in _file_diffs(text):
+        new = "\nnew file mode " in "\n" + body.split("\n@@", 1)[0]
+        if re.search(r"^(deleted file mode|rename from|copy from|similarity index)", body, re.MULTILINE):
+            problems.append(f"{name}: deletes, renames or copies a file")
+        lines = body.split("\n")
+        i = 0
+        while i < len(lines):
+            m = _HUNK.match(lines[i])
+            if not m:
+                i += 1
+                continue
+            old_len = int(m.group(2) if m.group(2) is not None else 1)
+            new_len = int(m.group(4) if m.group(4) is not None else 1)
+            if lines[i][m.end():].strip():
+                problems.append(f"{name}: hunk header {lines[i]!r} carries upstream text after '@@' "
+                                "(make the patch with a diff driver whose xfuncname never matches)")
+            if old_len != 0:
+                problems.append(f"{name}: hunk {lines[i].split(' @@')[0]} @@ removes or keeps "
+                                f"{old_len} upstream line(s)")
+            i += 1
+            added = 0
+            while i < len(lines) and not _HUNK.match(lines[i]):
+                line = lines[i]
+                if line.startswith("+"):
+                    added += 1
+                elif line.startswith((" ", "-")):
+                    problems.append(f"{name}: line {line[:40]!r} is context or a removal")
+                elif line and not line.startswith("\\"):
+                    break
+                i += 1
+            if added != new_len:
+                problems.append(f"{name}: hunk adds {added} line(s), its header says {new_len}")
+        if not new and "@@" not in body:
+            problems.append(f"{name}: no hunk")
+    return problems
+
+
+def new_files(path: Path) -> dict[str, str]:
+    """The files a patch creates, path -> content (from its ``--- /dev/null`` diffs)."""
+    text = path.read_text().split("\n-- \n", 1)[0]
+    out = {}
+    for name, body in _file_diffs(text):
+        if "\n--- /dev/null\n" not in body:
+            continue
+        lines, content = body.split("\n"), []
+        for line in lines[next(i for i, ln in enumerate(lines) if _HUNK.match(ln)):]:
+            if line.startswith("+"):
+                content.append(line[1:] + "\n")
+            elif line.startswith("\\") and content:
+                content[-1] = content[-1][:-1]   # "\ No newline at end of file"
+        out[name] = "".join(content)
+    return out
+
+
+def extract_new_file(layout: Layout, m: Manifest, relpath: str, dest_dir: Path) -> Path:
+    """Write the file that ``m``'s series adds at ``relpath`` into ``dest_dir``.
+
+    The series is the one home of the project-owned sources it carries (for
+    NCCL: the rootless ring and its header), so tests and compile checks take
+    them from there and never need the upstream tree.
+    """
+    series = load_series(layout, m)
+    for path in series.paths:
+        files = new_files(path)
+        if relpath in files:
+            dest = Path(dest_dir) / Path(relpath).name
+            write_atomic(dest, files[relpath])
+            return dest
+    raise PatchError(f"no patch of {m.name} {m.version} adds {relpath}",
+                     fix=f"check the path against patches/{m.name}/{m.version}/")
+
+
+def touched_files(series: Series) -> list[str]:
+    """Every path the series changes or adds, sorted."""
+    names = set()
+    for path in series.paths:
+        names.update(n for n, _ in _file_diffs(path.read_text(errors="replace")))
+    return sorted(names)
+
+
+def record_touched(series: Series, tree: Path) -> Path:
+    """Write ``touched.sha256`` for ``tree`` (a freshly patched pin) beside the series."""
+    out = series.directory / TOUCHED_SHA256
+    lines = [f"{sha256_of(tree / name)}  {name}" for name in touched_files(series)]
+    write_atomic(out, "\n".join(lines) + "\n")
+    return out
+
+
+def verify_touched(series: Series, tree: Path) -> int:
+    """Compare every touched file of a patched tree with ``touched.sha256``; return the count.
+
+    Zero-context hunks are placed by line number alone, so ``patch`` cannot tell
+    a right place from a wrong one; the recorded digests can.
+    """
+    listing = series.directory / TOUCHED_SHA256
+    if not listing.is_file():
+        return 0
+    expected = dict(reversed(ln.split(None, 1)) for ln in listing.read_text().splitlines() if ln.strip())
+    missing = sorted(set(touched_files(series)) - set(expected))
+    if missing:
+        raise PatchError(f"{listing} lists no sha256 for {', '.join(missing)}",
+                         fix=f"re-record it: hpct-build patch {series.component} --record-sha256")
+    for name, want in sorted(expected.items()):
+        got = sha256_of(tree / name) if (tree / name).is_file() else "missing"
+        if got != want:
+            raise PatchError(
+                f"after applying the {series.component} {series.version} series, {name} has sha256 {got}, "
+                f"the series expects {want}: the tree is not the pinned source or a hunk landed elsewhere",
+                fix=f"fetch the pinned source again (hpct-build fetch {series.component} --force); if the "
+                    f"series changed on purpose, re-record: hpct-build patch {series.component} --record-sha256")
+    return len(expected)
+
+
 def _patch_tool() -> str:
     tool = shutil.which("patch")
     if not tool:
@@ -116,11 +249,17 @@ def _failure_report(patch: Path, output: str) -> str:
     return f"{patch.name} does not apply: {where}"
 
 
-def apply_series(series: Series, tree: Path, progress: Progress) -> None:
-    """Apply every patch in order; stop at the first that fails, naming it."""
+def apply_series(series: Series, tree: Path, progress: Progress, insertion_only: bool = False,
+                 verify: bool = True) -> None:
+    """Apply every patch in order; stop at the first that fails, naming it.
+
+    ``insertion_only`` (set by the manifest's ``[series] insertion_only``) refuses
+    any patch that would carry an upstream line; the touched files are then
+    checked against ``touched.sha256`` when it exists.
+    """
     tool = _patch_tool()
     for entry, path in zip(series.entries, series.paths):
-        problems = lint_patch(path)
+        problems = lint_patch(path) + (lint_insertion_only(path) if insertion_only else [])
         if problems:
             raise PatchError(f"{path}: " + "; ".join(problems),
                              fix="regenerate it with git format-patch and add the DEP-3 fields")
@@ -133,6 +272,13 @@ def apply_series(series: Series, tree: Path, progress: Progress) -> None:
                 raise PatchError(_failure_report(path, proc.stdout + proc.stderr),
                                  fix=f"rebase {path.name} onto {series.component} {series.version}")
         progress.step(f"applied {entry.patch}")
+    checked = verify_touched(series, tree) if verify else 0
+    if checked:
+        progress.step(f"{checked} touched files match {TOUCHED_SHA256}")
+
+
+def insertion_only(m: Manifest) -> bool:
+    return bool(m.extra.get("series", {}).get("insertion_only", False))
 
 
 def _copy_pristine(layout: Layout, m: Manifest, into: Path) -> None:
@@ -142,12 +288,18 @@ def _copy_pristine(layout: Layout, m: Manifest, into: Path) -> None:
     shutil.copytree(src, into, dirs_exist_ok=True, symlinks=True, ignore=shutil.ignore_patterns(STAMP))
 
 
-def check(layout: Layout, m: Manifest, progress: Progress) -> Series:
-    """Apply the series to a scratch copy of the pristine tree and throw it away."""
+def check(layout: Layout, m: Manifest, progress: Progress, record: bool = False) -> Series:
+    """Apply the series to a scratch copy of the pristine tree and throw it away.
+
+    ``record`` writes the touched files' sha256 (``touched.sha256``) instead of
+    checking them: for a series that changed on purpose.
+    """
     series = load_series(layout, m)
     with tempfile.TemporaryDirectory(prefix=f"hpct-check-{m.name}-") as tmp:
         _copy_pristine(layout, m, Path(tmp))
-        apply_series(series, Path(tmp), progress)
+        apply_series(series, Path(tmp), progress, insertion_only(m), verify=not record)
+        if record:
+            progress.step(f"recorded {record_touched(series, Path(tmp))}")
     return series
 
 
@@ -162,7 +314,7 @@ def patch(layout: Layout, m: Manifest, progress: Progress, force: bool = False) 
         return dest
     with atomic_dir(dest) as scratch:
         _copy_pristine(layout, m, scratch)
-        apply_series(series, scratch, progress)
+        apply_series(series, scratch, progress, insertion_only(m))
         write_atomic(scratch / PATCHED_STAMP, json.dumps(
             {"name": m.name, "version": m.version, "series_id": ident,
              "patches": [e.patch for e in series.entries]}, indent=2) + "\n")

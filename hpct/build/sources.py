@@ -15,11 +15,15 @@ import subprocess
 import tarfile
 import tempfile
 import time
-import tomllib
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: tomli, its origin (scikit-build-core depends on it there)
+    tomllib = None
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ChecksumError, ConfigError, SourceError
+from ..errors import ChecksumError, ConfigError, SourceError, ToolchainError
 from .layout import Layout, atomic_dir, write_atomic
 from .progress import Progress
 
@@ -62,7 +66,7 @@ def load_manifest(layout: Layout, name: str, version: str | None = None) -> Mani
     if not path.is_file():
         raise ConfigError(f"unknown component {name!r}",
                           fix=f"choose one of: {', '.join(components(layout))}")
-    data = tomllib.loads(path.read_text())
+    data = _toml().loads(path.read_text())
     providers = tuple(Provider(**p) for p in data.pop("providers", []))
     m = Manifest(name=data.pop("name"), version=data.pop("version"), license=data.pop("license"),
                  upstream_url=data.pop("upstream_url"), identity=data.pop("identity", {}),
@@ -71,6 +75,18 @@ def load_manifest(layout: Layout, name: str, version: str | None = None) -> Mani
         raise ConfigError(f"{name} version {version!r} is not pinned (pinned: {m.version})",
                           fix=f"use {name}={m.version}, or add a manifest and patches/{name}/{version}/")
     return m
+
+
+def _toml():
+    if tomllib is not None:
+        return tomllib
+    try:
+        import tomli
+    except ModuleNotFoundError:
+        raise ToolchainError("hpct-build reads its manifests with tomllib (Python 3.11+) or tomli, "
+                             "and this Python 3.10 has neither",
+                             fix="python3 -m pip install tomli  (or run hpct-build with Python 3.11+)") from None
+    return tomli
 
 
 def sha256_of(path: Path) -> str:
@@ -100,13 +116,7 @@ def check_identity(m: Manifest, tree: Path, label: str | None = None) -> None:
     """Raise SourceError unless ``tree`` is the pinned version of ``m``."""
     ident = m.identity
     label = label or str(tree)
-    if "tree_sha256" in ident:
-        actual = tree_digest(tree)
-        if actual != ident["tree_sha256"]:
-            raise SourceError(
-                f"{label} is not {m.name} {m.version}: its tree digest is {actual}, "
-                f"the pin is {ident['tree_sha256']}",
-                fix=f"hand over the pinned tree ({m.upstream_url})")
+    # The version first: for a tree of another version it is the message that helps.
     if "version_file" in ident:
         vf = tree / ident["version_file"]
         text = vf.read_text(errors="replace") if vf.is_file() else ""
@@ -115,6 +125,13 @@ def check_identity(m: Manifest, tree: Path, label: str | None = None) -> None:
             raise SourceError(
                 f"{label} is not {m.name} {m.version} ({ident['version_file']}: {found})",
                 fix=f"hand over the pinned version ({m.upstream_url})")
+    if "tree_sha256" in ident:
+        actual = tree_digest(tree)
+        if actual != ident["tree_sha256"]:
+            raise SourceError(
+                f"{label} is not {m.name} {m.version}: its tree digest is {actual}, "
+                f"the pin is {ident['tree_sha256']}",
+                fix=f"hand over the pinned tree ({m.upstream_url})")
 
 
 def verify_archive(archive: Path, expected: str) -> None:
@@ -209,7 +226,21 @@ def _unpack(archive: Path, into: Path, strip: int) -> None:
                 continue
             member.name = str(Path(*parts))
             members.append(member)
-        tar.extractall(into, members=members, filter="data")
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(into, members=members, filter="data")
+            return
+        # Python < 3.11.4 (Debian 12's 3.11.2) has no extraction filters: refuse by hand what
+        # the "data" filter refuses, so an archive can never write outside ``into``.
+        for member in members:
+            parts = Path(member.name).parts
+            if member.name.startswith("/") or ".." in parts or member.isdev():
+                raise SourceError(f"{archive.name}: unsafe member {member.name!r}",
+                                  fix="use the pinned archive; this one is not it")
+            if (member.issym() or member.islnk()) and (member.linkname.startswith("/")
+                                                       or ".." in Path(member.linkname).parts):
+                raise SourceError(f"{archive.name}: link {member.name!r} points outside the tree",
+                                  fix="use the pinned archive; this one is not it")
+        tar.extractall(into, members=members)
 
 
 def _strip_for_unknown(archive: Path) -> int:

@@ -1,0 +1,62 @@
+# Sourced by ci/main.sh and ci/test.sh.  Picks the Python that hpct is built, installed,
+# tested and run with, and exports it as PYTHON (ci/setup.sh installs into that one).
+#
+# In order: $PYTHON when set; an activated virtual environment; python3 on PATH unless
+# the OS manages it (Debian's refuses pip installs, PEP 668); pyenv's python3.  A login
+# shell may list /usr/bin before pyenv's shims, so "python3 on PATH" alone is not enough.
+
+hpct_os_managed() {   # true when pip may not install into interpreter $1
+  "$1" - <<'PY'
+import os, sys, sysconfig
+marker = os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")
+sys.exit(0 if os.path.exists(marker) and sys.prefix == sys.base_prefix else 1)
+PY
+}
+
+hpct_pick_python() {
+  local p=""
+  if [ -n "${PYTHON:-}" ]; then
+    p=$(command -v "$PYTHON") || { echo "ci: PYTHON=$PYTHON is not an executable" >&2; return 1; }
+  elif [ -n "${VIRTUAL_ENV:-}" ] && [ -x "$VIRTUAL_ENV/bin/python" ]; then
+    p=$VIRTUAL_ENV/bin/python
+  else
+    p=$(command -v python3 || true)
+    if { [ -z "$p" ] || hpct_os_managed "$p"; } && command -v pyenv >/dev/null 2>&1; then
+      p=$(pyenv which python3 2>/dev/null || echo "$p")
+    fi
+  fi
+  if [ -z "$p" ]; then
+    echo "ci: no python3 found on PATH ($PATH)" >&2
+    echo "  fix: install Python 3.11 or newer (or set PYTHON=/path/to/python3)" >&2
+    return 1
+  fi
+  if hpct_os_managed "$p"; then
+    echo "ci: $p is managed by the OS: pip refuses to install hpct, torch and the build tools into it" >&2
+    echo "  fix: python3 -m venv ~/hpct-venv && PYTHON=~/hpct-venv/bin/python bash $0" >&2
+    return 1
+  fi
+  PYTHON=$p
+  export PYTHON
+}
+
+# Print the path of the installed console script $1 (the file pip wrote beside $PYTHON).
+# A pyenv shim for a new script appears only after `pyenv rehash`, and a scripts folder
+# may be off PATH altogether: rehash, say how to reach it, and let the caller run the
+# real file.  -P: ask the installed package, not the checkout this runs in.
+hpct_console_script() {
+  local name=$1 path on_path
+  path=$("$PYTHON" -P -c "from hpct.cliutil import console_script as c; print(c('$name') or '')")
+  if [ -z "$path" ]; then
+    echo "ci: the installed hpct has no '$name' console script ($PYTHON)" >&2
+    echo "  fix: reinstall it: $PYTHON -m hpct.build wheel --install" >&2
+    return 1
+  fi
+  if command -v pyenv >/dev/null 2>&1; then pyenv rehash >/dev/null 2>&1 || true; fi
+  on_path=$(command -v "$name" || true)
+  if [ -z "$on_path" ]; then
+    echo "ci: note: '$name' is not on PATH; it is $path (add $(dirname "$path") to PATH)" >&2
+  elif [ "$on_path" != "$path" ] && [ "$(pyenv which "$name" 2>/dev/null)" != "$path" ]; then
+    echo "ci: note: '$name' on PATH is $on_path, not the one just installed ($path)" >&2
+  fi
+  echo "$path"
+}

@@ -1,0 +1,128 @@
+"""The README's two commands, run the way the README states them.
+
+``bash ci/main.sh`` and ``bash ci/test.sh`` from a fresh clone of the committed HEAD, in
+a clean environment (``env -i``) whose PATH is what a login shell has: /etc/profile's
+directories first, then pyenv's where pyenv is installed.  On this kind of machine that
+PATH finds Debian's own python3 (which refuses pip installs) before pyenv's, and a new
+console script has no pyenv shim until a rehash: exactly what broke the main job while
+the in-process tests stayed green.
+
+The slow tests reinstall hpct, from the clone, into the interpreter the scripts pick.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpct.cliutil import console_script
+from util import REPO
+
+PROFILE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"   # Debian's /etc/profile, root
+
+
+def pyenv_root() -> Path | None:
+    root = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv")
+    return root if (root / "bin" / "pyenv").exists() else None
+
+
+def login_env() -> dict:
+    path = PROFILE_PATH
+    if pyenv_root():
+        path += f":{pyenv_root()}/shims:{pyenv_root()}/bin"
+    return {"HOME": str(Path.home()), "PATH": path}
+
+
+def in_clean_env(cmd: str, cwd: Path, timeout: float, extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**login_env(), **(extra or {})}
+    argv = ["env", "-i", *(f"{k}={v}" for k, v in env.items()), "bash", "-c", cmd]
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def python_sh(body: str, extra: dict | None = None) -> subprocess.CompletedProcess:
+    return in_clean_env(f"set -euo pipefail; . ci/python.sh; {body}", REPO, 120, extra)
+
+
+# ---------------------------------------------------------------- the interpreter the ci scripts pick
+
+@pytest.mark.unit
+def test_ci_picks_a_python_pip_may_install_into():
+    proc = python_sh("hpct_pick_python; echo \"$PYTHON\"")
+    if proc.returncode != 0:
+        # no usable Python on the login PATH: the message must say what to do
+        assert "fix:" in proc.stderr and ("managed by the OS" in proc.stderr or "no python3" in proc.stderr)
+        pytest.skip(f"no Python the ci scripts may use on this login PATH: {proc.stderr.strip()}")
+    chosen = proc.stdout.strip()
+    check = subprocess.run([chosen, "-c", "import sys, sysconfig, os; print(sys.prefix != sys.base_prefix or "
+                            "not os.path.exists(os.path.join(sysconfig.get_path('stdlib'), 'EXTERNALLY-MANAGED')))"],
+                           capture_output=True, text=True, timeout=60)
+    assert check.stdout.strip() == "True", (chosen, check)
+    system = shutil.which("python3", path=login_env()["PATH"])
+    if pyenv_root() and system and system.startswith("/usr/bin"):
+        # Debian's python3 comes first on this PATH: pyenv's must win
+        assert chosen.startswith(str(pyenv_root())), chosen
+
+
+@pytest.mark.unit
+def test_ci_honours_python_and_refuses_an_os_managed_one(tmp_path):
+    import sys
+    proc = python_sh("hpct_pick_python; echo \"$PYTHON\"", {"PYTHON": sys.executable})
+    assert (proc.returncode, proc.stdout.strip()) == (0, sys.executable), proc.stderr
+    proc = python_sh("hpct_pick_python", {"PYTHON": str(tmp_path / "nope")})
+    assert proc.returncode != 0 and f"PYTHON={tmp_path / 'nope'} is not an executable" in proc.stderr
+    managed = Path("/usr/lib/python3.11/EXTERNALLY-MANAGED")
+    if not (managed.exists() and Path("/usr/bin/python3").exists()):
+        pytest.skip("no OS-managed /usr/bin/python3 on this machine")
+    proc = python_sh("hpct_pick_python", {"PYTHON": "/usr/bin/python3"})
+    assert proc.returncode == 1
+    assert "/usr/bin/python3 is managed by the OS" in proc.stderr
+    assert "fix: python3 -m venv ~/hpct-venv && PYTHON=~/hpct-venv/bin/python bash" in proc.stderr
+
+
+@pytest.mark.unit
+def test_ci_finds_the_installed_console_script_off_path():
+    import sys
+    installed = console_script("hpct")
+    assert installed, "hpct's console script is not installed"
+    # PATH without the interpreter's scripts folder (and no pyenv): the real file, and a note
+    proc = in_clean_env("set -euo pipefail; . ci/python.sh; hpct_console_script hpct", REPO, 120,
+                        {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == installed
+    assert f"'hpct' is not on PATH; it is {installed} (add {os.path.dirname(installed)} to PATH)" in proc.stderr
+    assert subprocess.run([installed, "--version"], capture_output=True, text=True, timeout=60).returncode == 0
+
+
+# ---------------------------------------------------------------- the README's commands, end to end
+
+@pytest.fixture(scope="module")
+def fresh_clone(tmp_path_factory) -> Path:
+    """A clone of the committed HEAD: no build outputs, no caches, nothing uncommitted."""
+    if subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip(f"{REPO} is not a git checkout")
+    dest = tmp_path_factory.mktemp("clone") / "fresh"
+    subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(REPO), str(dest)], check=True, timeout=300)
+    return dest
+
+
+@pytest.mark.slow
+def test_readme_command_1_main_job(fresh_clone):
+    proc = in_clean_env("bash ci/main.sh", fresh_clone, 1800)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "command not found" not in out
+    assert "measured on this machine" in proc.stdout and "stock/hpct" in proc.stdout, proc.stdout[-4000:]
+    assert "bit-identical after recovery: yes" in proc.stdout
+
+
+@pytest.mark.slow
+def test_readme_command_2_test_suite_entry_point(fresh_clone):
+    # the entry point, not the whole suite again: ci/test.sh passes its arguments to pytest
+    proc = in_clean_env("bash ci/test.sh -q -p no:cacheprovider tests/test_cli.py", fresh_clone, 1800)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-3000:]
