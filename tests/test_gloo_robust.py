@@ -140,6 +140,8 @@ import hpct.distributed as hd
 scenario, out = sys.argv[1], sys.argv[2]
 hd.init_process_group(timeout=30)
 rank, n = dist.get_rank(), dist.get_world_size()
+# Every rank's connect is complete before one of them fails locally and leaves.
+dist.barrier()
 if scenario in ("uneven", "disagree"):
     mine = torch.arange(2 + 2 * rank, dtype=torch.float32)
     # uneven: each rank's outputs have every rank's size (a local shape error);
@@ -153,6 +155,8 @@ if scenario in ("uneven", "disagree"):
         res = {"outcome": "RuntimeError", "type": type(err).__name__, "message": str(err)}
     with open(os.path.join(out, f"{scenario}-{rank}.json"), "w") as f:
         json.dump(res, f)
+    if res["type"] == "HpctArgumentError":
+        dist.barrier()      # refused before any traffic: the group is intact, exit cleanly
     hd.shutdown_all()
 elif scenario == "exit_queued":
     dist.barrier()
