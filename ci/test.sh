@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . ci/python.sh
 hpct_pick_python
-bash ci/setup.sh
+bash ci/setup.sh --tests
 "$PYTHON" -m hpct.build all
 "$PYTHON" -m hpct.build build gloo --tests
 hpct_console_script hpct >/dev/null       # rehash pyenv's shims; note when hpct is off PATH

@@ -137,3 +137,15 @@ def kill_all(workers: Sequence[Worker]) -> None:
                 w.proc.communicate(timeout=10)
             except (subprocess.TimeoutExpired, ValueError):
                 pass
+
+
+def wait_all_succeeded(workers: Sequence[Worker]) -> Sequence[Worker]:
+    """Wait for every worker (killing the rest on any failure); each must exit 0."""
+    try:
+        for w in workers:
+            w.wait()
+    finally:
+        kill_all(workers)
+    for w in workers:
+        assert w.proc.returncode == 0, w.describe()
+    return workers

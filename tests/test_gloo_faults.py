@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from gloo_helpers import kill_all, loopback_peers, start_worker
+from gloo_helpers import kill_all, loopback_peers, start_worker, wait_all_succeeded
 
 pytestmark = pytest.mark.multiprocess
 
@@ -79,13 +79,7 @@ def test_a_peer_that_closes_gracefully_fails_nothing():
         2: [{"op": "connect"}, {"op": "barrier"}, {"op": "close"}],
     }
     workers = [start_worker(_spec(r, size, peers, scripts[r]), timeout=60) for r in range(size)]
-    try:
-        for w in workers:
-            w.wait()
-    finally:
-        kill_all(workers)
-    for w in workers:
-        assert w.proc.returncode == 0, w.describe()
+    wait_all_succeeded(workers)
     got = workers[0].event("recv_ok")
     assert got["data"] == [i + 1000 for i in range(64)], got
     assert workers[2].event("closed")["seconds"] < 2.0

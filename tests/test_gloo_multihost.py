@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from gloo_helpers import WORKER, Worker, free_block, kill_all
+from gloo_helpers import WORKER, Worker, free_block, kill_all, wait_all_succeeded
 from netns import netns_network, unavailable_reason
 
 pytestmark = [pytest.mark.multihost, pytest.mark.multiprocess]
@@ -65,23 +65,11 @@ def _launch(nodes, script_for, *, generation=1, group=0, slots=2, base=None, tim
     return base, workers
 
 
-def _all_succeeded(workers):
-    """Wait for every worker (killing the rest on any failure); each must exit 0."""
-    try:
-        for w in workers:
-            w.wait()
-    finally:
-        kill_all(workers)
-    for w in workers:
-        assert w.proc.returncode == 0, w.describe()
-    return workers
-
-
 def test_collectives_across_four_hosts(nodes):
     """8 ranks on 4 namespaces: storeless init from the plan, exact collectives."""
     _, workers = _launch(nodes, lambda r: [{"op": "connect"}, {"op": "collectives"},
                                            {"op": "close"}])
-    for w in _all_succeeded(workers):
+    for w in wait_all_succeeded(workers):
         w.event("collectives_ok")
 
 
@@ -92,7 +80,7 @@ def test_second_group_slot_and_late_node(nodes):
         late = [{"op": "sleep", "seconds": 3.0}] if r // NPROC == NODES - 1 else []
         return late + [{"op": "connect"}, {"op": "collectives", "elements": 100}, {"op": "close"}]
     _, workers = _launch(nodes, script, group=1, generation=4)
-    for w in _all_succeeded(workers):
+    for w in wait_all_succeeded(workers):
         assert w.event("connected")["generation"] == 4
         w.event("collectives_ok")
 

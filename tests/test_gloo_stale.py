@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from gloo_helpers import kill_all, loopback_peers, start_worker
+from gloo_helpers import kill_all, loopback_peers, start_worker, wait_all_succeeded
 
 pytestmark = pytest.mark.multiprocess
 
@@ -36,13 +36,7 @@ def _run(stale_rank, size=4):
     workers = [_start(r, size, peers, OLD if r == stale_rank else NEW,
                       STALE_DEADLINE_S if r == stale_rank else GROUP_DEADLINE_S)
                for r in range(size)]
-    try:
-        for w in workers:
-            w.wait()
-    finally:
-        kill_all(workers)
-    for w in workers:
-        assert w.proc.returncode == 0, w.describe()
+    wait_all_succeeded(workers)
     return peers, {w.rank: w.event("connect_error") for w in workers}
 
 

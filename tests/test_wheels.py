@@ -44,6 +44,22 @@ def test_all_finds_one_supported_cpython_per_minor_this_one_included():
 
 
 @pytest.mark.unit
+def test_all_from_a_venv_builds_for_the_venv_not_the_python_it_links_to(tmp_path):
+    """A venv's interpreter is called plain "python" and links to the base one; the image's
+    build stage runs `hpct-build wheel` from such a venv.  Before, "all" dropped it (the name
+    is not python3.N) and took the base interpreter, which has no pip or build requirements."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
+                   check=True, timeout=120)
+    code = ("import json; from hpct.build.wheel import find_pythons; "
+            f"print(json.dumps([str(it.path) for it in find_pythons(['all'], {FLOOR!r})]))")
+    proc = subprocess.run([str(venv / "bin" / "python"), "-P", "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert str(venv / "bin" / "python") in json.loads(proc.stdout), proc.stdout
+
+
+@pytest.mark.unit
 def test_a_python_below_the_floor_is_refused_naming_it(tmp_path):
     from hpct.build.wheel import find_pythons
     from hpct.errors import ConfigError

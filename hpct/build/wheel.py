@@ -75,13 +75,15 @@ def probe(path: Path) -> Interpreter | None:
 
 def candidate_paths() -> list[Path]:
     """Every CPython this machine offers: this one, PATH's python3.N, pyenv's versions."""
-    found = [Path(sys.executable)]
+    found = []
     for d in os.environ.get("PATH", "").split(os.pathsep):
         if d and Path(d).is_dir():
             found += sorted(Path(d).glob("python3.[0-9]*"))
     pyenv_root = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv")
     found += sorted(pyenv_root.glob("versions/*/bin/python3"))
-    return [p for p in found if re.fullmatch(r"python3(\.\d+)?", p.name) and os.access(p, os.X_OK)]
+    # This interpreter comes first whatever its name: a venv's is often plain "python".
+    return [Path(sys.executable)] + [p for p in found if re.fullmatch(r"python3(\.\d+)?", p.name)
+                                     and os.access(p, os.X_OK)]
 
 
 def find_pythons(specs: list[str], floor: str) -> list[Interpreter]:

@@ -423,30 +423,28 @@ class StorelessContext {
     without_gil([&] { shutdown("context closed", true); });
   }
 
+  // The TCP device, read under the state lock (null once closed or before connect).
+  std::shared_ptr<gloo::transport::tcp::Device> tcp_device() {
+    std::lock_guard<std::mutex> guard(state_);
+    return std::static_pointer_cast<gloo::transport::tcp::Device>(device_);
+  }
+
   bool aborted() {
     std::lock_guard<std::mutex> guard(state_);
     return closed_ || (context_ && context_->isAborted());
   }
 
   size_t rejected_connections() {
-    std::shared_ptr<gloo::transport::Device> dev;
-    {
-      std::lock_guard<std::mutex> guard(state_);
-      dev = device_;
-    }
+    auto dev = tcp_device();
     if (!dev) return rejected_at_close_;
-    return std::static_pointer_cast<gloo::transport::tcp::Device>(dev)->rejectedConnections();
+    return dev->rejectedConnections();
   }
 
   // Connections refused for another generation, by initiator rank:
   // {rank: (last generation, count, host)}.
   py::dict refusals() {
-    std::shared_ptr<gloo::transport::Device> dev;
-    {
-      std::lock_guard<std::mutex> guard(state_);
-      dev = device_;
-    }
-    auto records = dev ? std::static_pointer_cast<gloo::transport::tcp::Device>(dev)->refusals()
+    auto dev = tcp_device();
+    auto records = dev ? dev->refusals()
                        : refusals_at_close_;
     py::dict out;
     for (const auto& r : records) {
@@ -457,13 +455,9 @@ class StorelessContext {
   }
 
   size_t dropped_connections() {
-    std::shared_ptr<gloo::transport::Device> dev;
-    {
-      std::lock_guard<std::mutex> guard(state_);
-      dev = device_;
-    }
+    auto dev = tcp_device();
     if (!dev) return dropped_at_close_;
-    return std::static_pointer_cast<gloo::transport::tcp::Device>(dev)->droppedConnections();
+    return dev->droppedConnections();
   }
 
   void allreduce(py::buffer buf, const std::string& op, const py::object& dtype) {
