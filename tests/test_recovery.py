@@ -187,16 +187,11 @@ def skew_results(out: Path, j: Job) -> list[dict]:
     return [json.loads((out / f"skew-{r}.json").read_text()) for r in range(SKEW_WORLD)]
 
 
-# Issue 13 item 4 is open: recover() moves to its own generation + 1 on every attempt, so
-# ranks that start recovering seconds apart never meet (they end up to 30 generations apart).
-# Keeping a failed attempt's generation converges here, but then retries of one generation
-# accept a peer's links from its previous, dying attempt of the same generation, and
-# test_fault_during_recovery livelocks; a fix needs an attempt discriminator in the Gloo
-# handshake.  strict: these start passing when it is fixed.
-ITEM4_OPEN = pytest.mark.xfail(strict=True, reason="issue 13 item 4: generations drift apart")
+# Issue 13 item 4: before, recover() moved to its own generation + 1 on every attempt, so
+# ranks that started recovering seconds apart never met (they ended up to 30 generations
+# apart).  Now a failed attempt keeps the recovery's target and a newer generation seen wins.
 
 
-@ITEM4_OPEN
 def test_ranks_entering_recovery_seconds_apart_meet_in_one_generation(tmp_path):
     """Rank r starts recovering 3*r s after rank 0; the early ranks' failed attempts keep the target."""
     with skew_job(tmp_path, "stagger") as j:
@@ -208,7 +203,6 @@ def test_ranks_entering_recovery_seconds_apart_meet_in_one_generation(tmp_path):
         assert all(gen == 1 for gen, _ in rec["attempts"]), (r, rec)
 
 
-@ITEM4_OPEN
 def test_stopped_peer_resumed_seconds_later_rejoins_the_same_generation(tmp_path):
     import os
     import signal

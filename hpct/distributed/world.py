@@ -49,6 +49,8 @@ class _State:
     groups: list = []            # live HpctProcessGroup objects
     connecting: list = []        # contexts still connecting (abortable)
     last_init_s: float | None = None     # seconds spent in the last world connect
+    formed: int | None = None    # the generation in which the world last formed
+    newest_seen: int = -1        # the newest generation a peer showed (StaleGenerationError)
     store = None                 # the world's PlaceholderStore (kept alive: see init_process_group)
 
 
@@ -121,6 +123,13 @@ def _create(dist_opts, backend_options=None):
     t0 = time.perf_counter()
     try:
         ctx.connect()
+    except _gloo.StaleGenerationError as err:
+        ctx.close()
+        with _LOCK:
+            _state.newest_seen = max(_state.newest_seen, int(err.newer_generation))
+        raise RendezvousError(
+            f"group {name}: generation {gen} is older than a peer's ({err.newer_generation}): {err}",
+            fix="call recover() again: it moves to the newest generation seen") from None
     except _gloo.ConnectTimeoutError as err:
         ctx.close()
         raise RendezvousError(
@@ -149,6 +158,7 @@ def _create(dist_opts, backend_options=None):
         _state.groups.append(pg)
         if index == 0:
             _state.last_init_s = time.perf_counter() - t0
+            _state.formed = gen
             if _state.rank is None:       # started through torch's own init_process_group
                 _state.rank, _state.world_size = global_ranks[group_rank], group_size
                 _state.timeout = dist_opts.timeout
@@ -246,8 +256,10 @@ def recover(world_size: int | None = None, rank: int | None = None, *, generatio
     """Rebuild the world in this process with a new membership; returns the new world group.
 
     Aborts and releases every hpct group (bounded), resets torch's group counter, moves to
-    ``generation`` (default: the current one + 1) and connects the world again from the same
-    port plan.  ``world_size``/``rank`` default to the current ones: survivors keep their
+    ``generation`` and connects the world again from the same port plan.  The default
+    generation is this recovery's target: the one after the generation the world last formed
+    in, kept by a failed attempt (so ranks that retry a different number of times meet), or a
+    newer one that a peer showed (a refused attempt raises RendezvousError naming it).  ``world_size``/``rank`` default to the current ones: survivors keep their
     ranks and a replacement takes the failed rank (it starts with HPCT_GENERATION set to the
     new generation).  Groups made with ``new_group`` must be made again, in the same order.
     Raises RendezvousError when a member is missing at the connect deadline.
@@ -263,7 +275,13 @@ def recover(world_size: int | None = None, rank: int | None = None, *, generatio
                           "or pass rank= and world_size=", fix="pass rank= and world_size=")
     abort_all("recovering")       # the fault path: peers see a reset and fail at once
     shutdown_all()
-    new_gen = current + 1 if generation is None else generation
+    if generation is None:
+        # One target per recovery, kept by a failed attempt: ranks that start recovering
+        # seconds apart meet in it.  A peer seen in a newer generation wins.
+        with _LOCK:
+            formed, newest = _state.formed, _state.newest_seen
+        generation = max(current if formed is None or current > formed else formed + 1, newest)
+    new_gen = generation
     return init_process_group(rank, world_size, timeout=timeout, config=cfg, generation=new_gen)
 
 
