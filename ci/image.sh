@@ -116,7 +116,10 @@ grep -E '^(Saved|File was already downloaded|Processing)' "$WORK/torch.log" || t
 # dependencies.  The CA bundle pip trusts here (a TLS-inspecting proxy's, say) is lent to the
 # build as the secret pip-ca: mounted for the one RUN step that asks for it, never in a layer.
 build_args=(--build-arg "BASE=$BASE" --build-arg TORCH_INDEX=)
-ca=${HPCT_BUILD_CA:-${PIP_CERT:-$("$PYTHON" -m pip config get global.cert 2>/dev/null || true)}}
+# `pip config get global.cert` answers "No such key" for a value from /etc/pip.conf or
+# /etc/xdg/pip/pip.conf; `pip config list` shows the merged configuration.
+pip_cert() { "$PYTHON" -m pip config list 2>/dev/null | sed -n "s/^global\.cert='\(.*\)'\$/\1/p" | tail -n 1; }
+ca=${HPCT_BUILD_CA:-${PIP_CERT:-$(pip_cert)}}
 if [ -n "$ca" ]; then
   [ -f "$ca" ] || die "the CA bundle $ca (HPCT_BUILD_CA, PIP_CERT or pip's global.cert) does not exist" \
     "point HPCT_BUILD_CA at an existing PEM bundle, or unset it"

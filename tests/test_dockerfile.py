@@ -309,3 +309,27 @@ def test_image_script_with_a_missing_ca_bundle(repo, tmp_path):
     assert f"the CA bundle {tmp_path / 'no-such-ca.pem'} (HPCT_BUILD_CA, PIP_CERT or pip's global.cert) " \
            "does not exist" in res.stderr
     assert "fix: point HPCT_BUILD_CA at an existing PEM bundle" in res.stderr
+
+
+@needs_buildah
+def test_image_script_takes_the_ca_bundle_from_pips_config_files(repo, tmp_path):
+    """No PIP_CERT in the environment (a clean login shell): the CA bundle pip trusts comes
+    from its configuration files and is lent to the build.  `pip config get global.cert`
+    misses values from the system-wide files, and the image build then failed behind a
+    TLS-inspecting proxy (the build's pip did not trust it)."""
+    import ssl
+    system = Path(ssl.get_default_verify_paths().cafile or "/etc/ssl/certs/ca-certificates.crt")
+    if not system.is_file():
+        pytest.skip("no system CA bundle to copy")
+    bundle = tmp_path / "from-config.pem"
+    shutil.copy2(system, bundle)
+    conf = tmp_path / "pip.conf"
+    conf.write_text(f"[global]\ncert = {bundle}\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PIP_CERT", "HPCT_BUILD_CA")}
+    env.update({"PYTHON": sys.executable, "HPCT_IMAGE_BASE": "localhost/hpct-test-absent:none",
+                "PIP_CONFIG_FILE": str(conf)})
+    res = _run(_image_script_copy(repo, tmp_path), env, timeout=300)
+    if "needs root" in res.stderr:
+        pytest.skip("not root")
+    # the absent base then fails the build itself; what matters is the bundle it was given
+    assert f"(pip CA: {bundle})" in res.stdout, res.stdout + res.stderr
