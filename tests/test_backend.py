@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hpct.distributed.agent import Job, free_port_block
+from util import same
 
 pytestmark = pytest.mark.multiprocess
 
@@ -50,15 +51,6 @@ def runs(tmp_path_factory):
     gloo, _ = run(tmp, "gloo", [0, 1, 2, 3])
     hpct, base = run(tmp, "hpct", [3, 2, 1, 0])
     return gloo, hpct, base
-
-
-def same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and \
-            torch.equal(a, b)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def test_every_case_matches_processgroupgloo(runs):

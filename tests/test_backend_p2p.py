@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from hpct.distributed.agent import Job, free_port_block
+from util import same
 
 pytestmark = pytest.mark.multiprocess
 
@@ -197,15 +198,6 @@ def run(tmp: Path, backend: str, world: int) -> list[dict]:
 def values(src, dst, salt=0, count=5, dtype=torch.float32):
     t = torch.arange(count, dtype=torch.int64) + 100 * src + 10 * dst + 1000 * salt
     return (t % 120 - 7).to(dtype) if dtype != torch.bool else (t % 3 == 0)
-
-
-def same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and \
-            torch.equal(a, b)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def expected(rank: int, n: int) -> dict:

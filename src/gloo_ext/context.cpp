@@ -577,6 +577,16 @@ class StorelessContext {
     }
   }
 
+  // The connected context, read under the state lock; a closed or unconnected one raises.
+  std::shared_ptr<gloo::rendezvous::Context> connected_context() {
+    std::lock_guard<std::mutex> guard(state_);
+    if (closed_) throw_closed();
+    if (!connected_) {
+      throw py::value_error("the context is not connected; call connect() first");
+    }
+    return context_;
+  }
+
   // Point-to-point operations do not take the one-op-at-a-time lock: they
   // only post to the device thread, which runs them beside a collective
   // (their slots never meet a collective's), and are waited on later.
@@ -585,15 +595,7 @@ class StorelessContext {
     py::buffer_info info = buf.request(!is_send);
     void* ptr = info.ptr;
     const size_t nbytes = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
-    std::shared_ptr<gloo::rendezvous::Context> ctx;
-    {
-      std::lock_guard<std::mutex> guard(state_);
-      if (closed_) throw_closed();
-      if (!connected_) {
-        throw py::value_error("the context is not connected; call connect() first");
-      }
-      ctx = context_;
-    }
+    auto ctx = connected_context();
     auto req = std::make_unique<P2PRequest>(ctx, pending_, std::move(info), is_send, peer, tag,
                                             timeout_);
     without_gil([&] { req->post(ptr, nbytes); });
@@ -603,15 +605,7 @@ class StorelessContext {
   // Run one blocking operation without the GIL, one at a time.
   template <typename F>
   void run(F&& body) {
-    std::shared_ptr<gloo::rendezvous::Context> ctx;
-    {
-      std::lock_guard<std::mutex> guard(state_);
-      if (closed_) throw_closed();
-      if (!connected_) {
-        throw py::value_error("the context is not connected; call connect() first");
-      }
-      ctx = context_;
-    }
+    auto ctx = connected_context();
     without_gil([&] {
       std::lock_guard<std::mutex> op(op_);
       std::shared_ptr<gloo::Context> base = ctx;
