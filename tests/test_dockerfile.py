@@ -323,8 +323,14 @@ def test_image_script_takes_the_ca_bundle_from_pips_config_files(repo, tmp_path)
         pytest.skip("no system CA bundle to copy")
     bundle = tmp_path / "from-config.pem"
     shutil.copy2(system, bundle)
+    # PIP_CONFIG_FILE replaces the user's file: carry over what pip is configured with now
+    # (where it finds torch, say), with the cert moved to ours.
+    listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
+                            timeout=60).stdout
+    settings = dict(re.findall(r"^(?:global|:env:)\.([\w-]+)='(.*)'$", listed, re.M))
+    settings["cert"] = str(bundle)
     conf = tmp_path / "pip.conf"
-    conf.write_text(f"[global]\ncert = {bundle}\n")
+    conf.write_text("[global]\n" + "".join(f"{k} = {v}\n" for k, v in settings.items()))
     env = {k: v for k, v in os.environ.items() if k not in ("PIP_CERT", "HPCT_BUILD_CA")}
     env.update({"PYTHON": sys.executable, "HPCT_IMAGE_BASE": "localhost/hpct-test-absent:none",
                 "PIP_CONFIG_FILE": str(conf)})
