@@ -17,6 +17,7 @@ import time
 import pytest
 
 from gloo_helpers import kill_all, loopback_peers, start_worker, wait_all_succeeded
+from util import run_rank_script
 
 pytestmark = pytest.mark.multiprocess
 
@@ -149,18 +150,9 @@ def test_barrier_then_shutdown_all_loses_nothing(tmp_path):
     shutdown_all aborted (reset) the connections while peers were still finishing the
     barrier, and with patch 0011 a rank that never said goodbye fails its peers."""
     import json
-    import sys
-    from hpct.distributed.agent import Job, free_port_block
     world, cycles = 4, 8
-    script = tmp_path / "clean_exit.py"
-    script.write_text(CLEAN_EXIT_RANK)
-    job = Job([sys.executable, str(script), str(tmp_path), str(cycles)], world,
-              free_port_block(8 * world), tmp_path, time.monotonic() + 150,
-              env={"HPCT_CONNECT_TIMEOUT": "30"})
-    with job:
-        job.start_all()
-        codes = job.wait_all()
-        outputs = [job.output(r) for r in range(world)]
+    codes, outputs = run_rank_script(tmp_path, CLEAN_EXIT_RANK, [str(tmp_path), str(cycles)], world, 150,
+                                     env={"HPCT_CONNECT_TIMEOUT": "30"})
     assert codes == {r: 0 for r in range(world)}, outputs
     failures = {r: [o for o in json.loads((tmp_path / f"clean-{r}.json").read_text()) if o != "ok"]
                 for r in range(world)}

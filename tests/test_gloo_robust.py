@@ -18,6 +18,7 @@ import time
 import pytest
 
 from gloo_helpers import kill_all, loopback_peers, start_worker
+from util import run_rank_script
 
 pytestmark = pytest.mark.multiprocess
 
@@ -169,18 +170,8 @@ elif scenario == "exit_queued":
 
 
 def _backend_job(tmp_path, scenario, world):
-    import sys as _sys
-    from hpct.distributed.agent import Job, free_port_block
-    script = tmp_path / "backend_rank.py"
-    script.write_text(BACKEND_RANK)
-    job = Job([_sys.executable, str(script), scenario, str(tmp_path)], world,
-              free_port_block(8 * world), tmp_path, time.monotonic() + 90,
-              env={"HPCT_CONNECT_TIMEOUT": "30"})
-    with job:
-        job.start_all()
-        codes = job.wait_all()
-        outputs = [job.output(r) for r in range(world)]
-    return codes, outputs
+    return run_rank_script(tmp_path, BACKEND_RANK, [scenario, str(tmp_path)], world, 90,
+                           env={"HPCT_CONNECT_TIMEOUT": "30"})
 
 
 def _gather_outcomes(tmp_path, scenario, world):

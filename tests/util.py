@@ -29,3 +29,21 @@ def same(a, b) -> bool:
     if isinstance(a, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     return a == b
+
+
+def run_rank_script(tmp_path: Path, source: str, args: list[str], world: int, limit_s: float,
+                    env: dict | None = None) -> tuple[dict, list[str]]:
+    """Write ``source`` as a rank script and run it as ``world`` ranks of an hpct job (the
+    local agent: ports from a free block, every process bounded by ``limit_s``); returns
+    the exit codes by rank and each rank's output."""
+    import time
+    from hpct.distributed.agent import Job, free_port_block
+    script = tmp_path / "rank_script.py"
+    script.write_text(source)
+    job = Job([sys.executable, str(script), *args], world, free_port_block(8 * world), tmp_path,
+              time.monotonic() + limit_s, env=env or {})
+    with job:
+        job.start_all()
+        codes = job.wait_all()
+        outputs = [job.output(r) for r in range(world)]
+    return codes, outputs

@@ -280,7 +280,8 @@ def recover(world_size: int | None = None, rank: int | None = None, *, generatio
         # seconds apart meet in it.  A peer seen in a newer generation wins.
         with _LOCK:
             formed, newest = _state.formed, _state.newest_seen
-        generation = max(current if formed is None or current > formed else formed + 1, newest)
+        target = current if formed is None or current > formed else formed + 1
+        generation = max(target, newest)
     new_gen = generation
     return init_process_group(rank, world_size, timeout=timeout, config=cfg, generation=new_gen)
 
