@@ -64,6 +64,8 @@ VARIABLES: tuple[Var, ...] = (
         help="file with one node address per line (# comments); exclusive with HPCT_HOSTS"),
     Var("HPCT_CONNECT_TIMEOUT", "connect_timeout", "float", 300.0, 0.001, 86400.0,
         help="seconds to keep connecting to peers before start-up fails"),
+    Var("HPCT_LAZY_CONNECT", "lazy_connect", "bool", True,
+        help="1 (default): a Gloo group connects each pair on first use; 0: the full mesh at start"),
     Var("HPCT_GENERATION", "generation", "int", 0, 0, (1 << 31) - 1,
         help="membership generation a process starts in (a replacement joins at the survivors' next one)"),
     Var("RANK", "rank", "int", None, 0, 1 << 24, help="global rank (set by torchrun)"),
@@ -196,6 +198,7 @@ class Config:
     init_barrier: bool = False
     hosts: tuple[str, ...] = DEFAULT_HOSTS
     connect_timeout: float = 300.0         # seconds
+    lazy_connect: bool = True              # Gloo pairs on first use, not the full mesh
     generation: int = 0                    # bumped by each in-process recovery
     rank: int | None = None
     local_rank: int | None = None

@@ -51,3 +51,11 @@ def seeded_root(scratch_root: Path, gloo_archive: Path) -> Path:
     (scratch_root / "third_party" / "cache").mkdir()
     shutil.copy2(gloo_archive, scratch_root / "third_party" / "cache" / gloo_archive.name)
     return scratch_root
+
+
+@pytest.fixture(params=["mesh", "lazy"])
+def connect_mode(request, monkeypatch) -> str:
+    """Run a raw-context suite in both connect modes: the full mesh, and lazy pairs
+    (the backend's default).  tests/gloo_worker.py reads HPCT_TEST_LAZY."""
+    monkeypatch.setenv("HPCT_TEST_LAZY", "1" if request.param == "lazy" else "0")
+    return request.param

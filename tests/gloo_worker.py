@@ -100,8 +100,12 @@ def main() -> int:
     def make(step: dict) -> "gloo.Context":
         # Liveness settings only where a test asks for them (the defaults otherwise).
         extra = {k: step.get(k, spec.get(k)) for k in
-                 ("ack_timeout", "keepalive_idle", "keepalive_interval", "keepalive_count")
+                 ("ack_timeout", "keepalive_idle", "keepalive_interval", "keepalive_count", "lazy",
+                  "retry_delay_initial", "retry_delay_max")
                  if step.get(k, spec.get(k)) is not None}
+        # The suites that run in both connect modes set this (see the lazy_mode fixture).
+        if os.environ.get("HPCT_TEST_LAZY") == "1":
+            extra.setdefault("lazy", True)
         return gloo.Context(step.get("rank", spec["rank"]), step.get("size", spec["size"]),
                             step.get("generation", spec["generation"]),
                             [tuple(p) for p in step.get("peers", spec["peers"])],
@@ -147,6 +151,8 @@ def main() -> int:
                 ctx.allreduce(buf)
                 check(all(x == n * (n + 1) // 2 for x in buf), f"allreduce result {buf[:4]}")
                 emit("allreduce_ok", generation=ctx.generation)
+            elif op == "connections":
+                emit("connections", count=ctx.connections(), rank=ctx.rank)
             elif op == "ready":
                 emit("ready")
             elif op == "wait_stdin":

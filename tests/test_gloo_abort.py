@@ -18,7 +18,7 @@ import pytest
 import hpct._gloo as gloo
 from gloo_helpers import kill_all, loopback_peers, start_worker
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("connect_mode")]
 
 OP_TIMEOUT = 60.0     # every "prompt" bound below is far below this
 

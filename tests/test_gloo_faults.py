@@ -19,7 +19,7 @@ import pytest
 from gloo_helpers import kill_all, loopback_peers, start_worker, wait_all_succeeded
 from util import run_rank_script
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("connect_mode")]
 
 GENERATION = 5
 OP_TIMEOUT_S = 20.0        # the stall this guards against lasts this long

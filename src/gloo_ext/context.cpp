@@ -304,7 +304,8 @@ class StorelessContext {
                    std::vector<std::pair<std::string, int>> peers, double timeout,
                    double connect_timeout, bool connect, double retry_delay_initial,
                    double retry_delay_max, double bind_retry_timeout, double ack_timeout,
-                   double keepalive_idle, double keepalive_interval, int keepalive_count)
+                   double keepalive_idle, double keepalive_interval, int keepalive_count,
+                   bool lazy)
       : rank_(rank), size_(size), generation_(generation), peers_(std::move(peers)) {
     if (size < 1) throw py::value_error("size must be at least 1");
     if (rank < 0 || rank >= size) {
@@ -337,6 +338,7 @@ class StorelessContext {
         to_ms(std::max(retry_delay_initial, 0.001), "retry_delay_initial");
     options_.retryDelayMax = to_ms(std::max(retry_delay_max, 0.001), "retry_delay_max");
     options_.ackTimeout = to_ms(ack_timeout, "ack_timeout");
+    options_.lazy = lazy;
     // keepalive_idle 0 turns the probes off; the kernel counts whole seconds.
     if (!(keepalive_idle >= 0) || !std::isfinite(keepalive_idle)) {
       throw py::value_error("keepalive_idle must be 0 (off) or a positive number of seconds");
@@ -396,8 +398,48 @@ class StorelessContext {
     without_gil([&] {
       std::lock_guard<std::mutex> op(op_);
       ctx->connectFullMeshStoreless(options_, dev);
+      if (options_.lazy && size_ > 1) form(ctx);
       connected_ = true;
     });
+  }
+
+  // Lazy pairs connect on first use: one allreduce of a counter proves that
+  // every rank is there at this generation (a ring: two pairs per rank), under
+  // the connect deadline rather than the op timeout.  Whatever fails it is a
+  // failed connect.
+  void form(const std::shared_ptr<gloo::rendezvous::Context>& ctx) {
+    int64_t present = 1;
+    try {
+      gloo::AllreduceOptions opts(ctx);
+      opts.setOutput(&present, 1);
+      opts.setReduceFunction(reduce_fn<int64_t>("sum"));
+      opts.setTimeout(options_.connectTimeout + std::chrono::seconds(2));
+      gloo::allreduce(opts);
+    } catch (const gloo::AbortedException&) {
+      throw;
+    } catch (const gloo::StaleGenerationException&) {
+      throw;
+    } catch (const gloo::ConnectTimeoutException&) {
+      throw;
+    } catch (const gloo::IoException& e) {
+      ctx->abort("the storeless connect failed");
+      throw gloo::ConnectTimeoutException(
+          "Storeless connect of rank " + std::to_string(rank_) + " (of " +
+          std::to_string(size_) + ", generation " + std::to_string(generation_) +
+          ") did not form within the connect deadline: " + e.what());
+    }
+    if (present != size_) {
+      ctx->abort("the storeless connect counted the wrong ranks");
+      throw gloo::IoException("Storeless connect of rank " + std::to_string(rank_) +
+                              " counted " + std::to_string(present) + " ranks, expected " +
+                              std::to_string(size_));
+    }
+  }
+
+  // Pairs connected now: with lazy pairs, only those operations have used.
+  int connections() {
+    auto transport = connected_context()->getTransportContext();
+    return transport ? transport->connectedPairs() : 0;
   }
 
   void abort(const std::string& reason) {
@@ -746,20 +788,28 @@ past it is retried, so a listener that vanished with its reset lost costs about
 that long.  Established connections are probed after keepalive_idle seconds of
 silence, every keepalive_interval seconds, and fail after keepalive_count
 unanswered probes (the same bound applies to unacknowledged data); 0 turns it off.
+With lazy=True, connect() connects only what one allreduce needs (a ring: two
+peers), and every other pair is connected the first time an operation uses it,
+within connect_timeout of that use (the higher rank dials; a lower rank rings the
+higher one's doorbell so it dials at once, whatever the order the ranks arrive in).
 With connect=False call connect() later (e.g. in a thread, to abort it).
 Every blocking method releases the GIL; abort() may be called from any thread.
 )doc")
       .def(py::init<int, int, uint32_t, std::vector<std::pair<std::string, int>>, double, double,
-                    bool, double, double, double, double, double, double, int>(),
+                    bool, double, double, double, double, double, double, int, bool>(),
            py::arg("rank"), py::arg("size"), py::arg("generation"), py::arg("peers"),
            py::arg("timeout") = 30.0, py::arg("connect_timeout") = 60.0,
            py::arg("connect") = true, py::arg("retry_delay_initial") = 0.01,
            py::arg("retry_delay_max") = 0.5, py::arg("bind_retry_timeout") = 2.0,
            py::arg("ack_timeout") = 1.0, py::arg("keepalive_idle") = 5.0,
-           py::arg("keepalive_interval") = 1.0, py::arg("keepalive_count") = 5)
+           py::arg("keepalive_interval") = 1.0, py::arg("keepalive_count") = 5,
+           py::arg("lazy") = false)
       .def("connect", &StorelessContext::connect,
-           "Connect the full mesh (blocks until every peer is connected or the connect "
-           "deadline passes: ConnectTimeoutError naming the missing ranks).")
+           "Connect the full mesh, or with lazy=True the pairs one allreduce uses (blocks "
+           "until connected or the connect deadline passes: ConnectTimeoutError naming "
+           "the missing ranks).")
+      .def("connections", &StorelessContext::connections,
+           "Number of peers connected now (lazy=True: only the pairs operations have used).")
       .def("abort", &StorelessContext::abort, py::arg("reason") = "aborted by the application",
            "Abort: every waiting and later op raises AbortedError; connections are reset; "
            "the listening port is freed. Idempotent; bounded; callable from any thread.")
