@@ -11,7 +11,10 @@ parent, as a spare would be):
 - stock full restart (what torchrun does): every process is killed and N fresh Python
   processes import torch, rendezvous through a TCPStore and run the all_reduce.
 
-    python benchmarks/recovery.py [--n 4,8,16] [--stock-timeout 5]
+With --late S the replacement also starts S seconds after the kill (one late rank):
+``after it`` is then the time from its start to the rebuilt group's first all_reduce.
+
+    python benchmarks/recovery.py [--n 4,8,16] [--stock-timeout 5] [--late 2]
 """
 
 from __future__ import annotations
@@ -35,24 +38,30 @@ def main(argv=None) -> int:
     ap.add_argument("--n", default="4,8,16", help="comma list of world sizes")
     ap.add_argument("--stock-timeout", type=float, default=5.0,
                     help="op timeout of the stock process groups (seconds)")
+    ap.add_argument("--late", type=float, default=0.0,
+                    help="the replacement starts this many seconds after the kill (in-process runs)")
     ap.add_argument("--json", help="also write the numbers to this file")
     args = ap.parse_args(argv)
     rows, data = [], []
     for n in [int(x) for x in args.n.split(",")]:
-        h = m.recovery_in_process("hpct", n, args.stock_timeout)
-        s = m.recovery_in_process("stock", n, args.stock_timeout)
+        h = m.recovery_in_process("hpct", n, args.stock_timeout, late=args.late)
+        s = m.recovery_in_process("stock", n, args.stock_timeout, late=args.late)
         f = m.full_restart(n)
-        rows.append([n, f"{h * 1000:.0f}", f"{s * 1000:.0f}", f"{s / h:.1f}x", f"{f * 1000:.0f}", f"{f / h:.1f}x"])
-        data.append({"n": n, "hpct_s": h, "stock_inprocess_s": s, "stock_restart_s": f})
+        rows.append([n, f"{h * 1000:.0f}", f"{s * 1000:.0f}", f"{s / h:.1f}x", f"{f * 1000:.0f}", f"{f / h:.1f}x",
+                     f"{(h - args.late) * 1000:.0f}", f"{(s - args.late) * 1000:.0f}"])
+        data.append({"n": n, "late_s": args.late, "hpct_s": h, "stock_inprocess_s": s, "stock_restart_s": f})
         print(f"  N={n}: hpct {h:.3f} s, stock in-process {s:.3f} s, full restart {f:.3f} s",
               file=sys.stderr, flush=True)
     print(m.table(["N", "hpct in-process (ms)", "stock in-process (ms)", "stock/hpct",
-                        "stock full restart (ms)", "restart/hpct"], rows,
+                        "stock full restart (ms)", "restart/hpct", "hpct after it (ms)",
+                        "stock after it (ms)"], rows,
                        f"Recovery: SIGKILL of one rank -> first all_reduce of the rebuilt group, max over ranks "
                        f"({os.cpu_count()} CPUs, torch {torch.__version__}, stock op timeout "
-                       f"{args.stock_timeout:g} s)"))
+                       f"{args.stock_timeout:g} s, replacement {args.late:g} s late)"))
     if args.json:
-        Path(args.json).write_text(json.dumps(data, indent=1))
+        tmp = Path(args.json + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, args.json)
     return 0
 
 

@@ -13,9 +13,10 @@ APT_PACKAGES=(cmake ninja-build g++ patch git libgtest-dev libssl-dev iproute2 p
 PIP_TEST_PACKAGES=()
 if [ "${1:-}" = --tests ]; then
   # buildah and debootstrap build and run the image without a Docker daemon (tests/test_image.py);
-  # torch's own distributed test harness (tests/test_torch_suites.py) imports expecttest.
+  # torch's own distributed test harness (tests/test_torch_suites.py) imports expecttest;
+  # benchmarks/model.py (run by tests/test_benchmarks.py) plots with matplotlib.
   APT_PACKAGES+=(buildah debootstrap)
-  PIP_TEST_PACKAGES=("expecttest>=0.2")
+  PIP_TEST_PACKAGES=("expecttest>=0.2" "matplotlib>=3.7")
 elif [ $# -gt 0 ]; then
   echo "ci/setup.sh: unknown argument '$1'" >&2; echo "  fix: bash ci/setup.sh [--tests]" >&2; exit 2
 fi

@@ -153,40 +153,92 @@ def quit_barrier() -> None:
         pass
 
 
-def hpct_rank(rank: int, n: int, base: int) -> dict:
-    t0 = time.time()
+ORDERS = ("in order", "reverse", "random", "one late")
+STAGGER_S = 0.005         # between arrivals in the ordered runs
+LATE_S = 2.0              # how late the late rank is ("one late": rank 0, the one others dial)
+
+
+def arrivals(order: str, n: int) -> list[float]:
+    """Seconds after the release at which each rank starts, for one arrival order."""
+    if order == "in order":
+        return [STAGGER_S * r for r in range(n)]
+    if order == "reverse":
+        return [STAGGER_S * (n - 1 - r) for r in range(n)]
+    if order == "random":
+        import random
+        perm = list(range(n))
+        random.Random(n).shuffle(perm)
+        return [STAGGER_S * perm[r] for r in range(n)]
+    if order == "one late":
+        return [LATE_S] + [0.0] * (n - 1)
+    raise ValueError(f"unknown arrival order {order!r}; one of {', '.join(ORDERS)}")
+
+
+def hpct_rank(rank: int, n: int, base: int) -> float:
     hpct_env(rank, n, base)
     hd.init_process_group(timeout=60)
     done = first_allreduce()
     quit_barrier()
-    return {"start": t0, "done": done}
+    return done
 
 
-def stock_rank(rank: int, n: int, port: int) -> dict:
-    t0 = time.time()
+def raw_rank(rank: int, n: int, base: int) -> float:
+    """hpct's storeless context alone (lazy pairs), as the backend builds it."""
+    import array
+    from .. import _gloo
+    ctx = _gloo.Context(rank, n, 1, [("127.0.0.1", base + r) for r in range(n)], timeout=60,
+                        connect_timeout=60, lazy=True)
+    buf = array.array("f", [1.0])
+    ctx.allreduce(buf)
+    done = time.time()
+    assert buf[0] == n
+    ctx.barrier()
+    ctx.close()
+    return done
+
+
+def stock_rank(rank: int, n: int, port: int) -> float:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n,
                             timeout=datetime.timedelta(seconds=60))
     done = first_allreduce()
     quit_barrier()
-    return {"start": t0, "done": done}
+    return done
 
 
-def startup(kind: str, n: int) -> float:
-    """Seconds from the first fork to the last rank's first all_reduce (kind: hpct, hpct-last, stock)."""
+def _released(go: int, delay: float, fn, *args) -> dict:
+    os.read(go, 1)
+    time.sleep(delay)
+    arrived = time.time()
+    return {"arrived": arrived, "done": fn(*args)}
+
+
+def startup(kind: str, n: int, order: str = "in order") -> dict:
+    """One start-up of N forked ranks released together, each arriving per ``order``.
+
+    kind: hpct (the backend), raw (the storeless context alone), stock (Gloo + TCPStore).
+    Returns seconds from the release to the last rank's first all_reduce (``total``) and
+    from the last arrival to it (``after_last``: what a late rank costs).
+    """
+    delays = arrivals(order, n)
     ranks = Ranks(deadline_s=90)
-    launch = time.time()
-    if kind.startswith("hpct"):
-        base = free_port_block(8 * n)
-        order = reversed(range(n)) if kind == "hpct-last" else range(n)
-        for r in order:
-            ranks.fork(r, hpct_rank, r, n, base)
-    else:
+    go_r, go_w = os.pipe()
+    if kind == "stock":
         port = free_port()
-        for r in range(n):                    # rank 0 (the store) first: the friendliest order
-            ranks.fork(r, stock_rank, r, n, port)
+        fn, extra = stock_rank, (port,)
+    else:
+        base = free_port_block(8 * n)
+        fn, extra = (raw_rank if kind == "raw" else hpct_rank), (base,)
+    for r in range(n):
+        ranks.fork(r, _released, go_r, delays[r], fn, r, n, *extra)
+    os.close(go_r)
+    time.sleep(0.2)               # every child is waiting on the pipe
+    release = time.time()
+    os.write(go_w, b"x" * n)
+    os.close(go_w)
     res = ranks.collect()
-    check(res, f"{kind} N={n}")
-    return max(v["done"] for v in res.values()) - launch
+    check(res, f"{kind} N={n} ({order})")
+    done = max(v["done"] for v in res.values())
+    return {"total": done - release, "after_last": done - max(v["arrived"] for v in res.values())}
 
 
 # ---- recovery ----
@@ -210,7 +262,8 @@ def one_allreduce() -> float:
     return time.time()
 
 
-def hpct_recovering_rank(rank, n, base, ready_dir, generation):
+def hpct_recovering_rank(rank, n, base, ready_dir, generation, late=0.0):
+    time.sleep(late)
     hpct_env(rank, n, base, generation=generation)
     hd.init_process_group(timeout=60)
     if generation == 0:
@@ -223,7 +276,8 @@ def hpct_recovering_rank(rank, n, base, ready_dir, generation):
     return {"fail": t_fail, "done": done}
 
 
-def stock_recovering_rank(rank, n, ports, ready_dir, generation, op_timeout):
+def stock_recovering_rank(rank, n, ports, ready_dir, generation, op_timeout, late=0.0):
+    time.sleep(late)
     timeout = datetime.timedelta(seconds=op_timeout)
     if generation == 0:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank,
@@ -239,8 +293,11 @@ def stock_recovering_rank(rank, n, ports, ready_dir, generation, op_timeout):
     return {"fail": t_fail, "done": done}
 
 
-def recovery_in_process(kind: str, n: int, op_timeout: float = 5.0) -> float:
-    """Seconds from the SIGKILL of the last rank to the rebuilt group's first all_reduce (hpct|stock)."""
+def recovery_in_process(kind: str, n: int, op_timeout: float = 5.0, late: float = 0.0) -> float:
+    """Seconds from the SIGKILL of the last rank to the rebuilt group's first all_reduce (hpct|stock).
+
+    ``late``: the replacement starts this many seconds after the kill (a spare that is slow
+    to come up); the survivors are already waiting for it."""
     victim = n - 1
     with tempfile.TemporaryDirectory() as ready_dir:
         ranks = Ranks(deadline_s=120)
@@ -250,7 +307,7 @@ def recovery_in_process(kind: str, n: int, op_timeout: float = 5.0) -> float:
         else:
             ports = (free_port(), free_port())
             fn, extra = stock_recovering_rank, (ports,)
-        tail = () if kind == "hpct" else (op_timeout,)
+        tail = (0.0,) if kind == "hpct" else (op_timeout, 0.0)
         for r in range(n):
             ranks.fork(r, fn, r, n, *extra, ready_dir, 0, *tail)
         end = time.monotonic() + 60
@@ -264,7 +321,7 @@ def recovery_in_process(kind: str, n: int, op_timeout: float = 5.0) -> float:
         ranks.kill(victim)
         ranks.collect([victim])
         ranks.children.pop(victim)
-        ranks.fork("replacement", fn, victim, n, *extra, ready_dir, 1, *tail)
+        ranks.fork("replacement", fn, victim, n, *extra, ready_dir, 1, *tail[:-1], late)
         res = ranks.collect()
     check(res, f"{kind} N={n}")
     return max(v["done"] for v in res.values()) - t_fault

@@ -206,6 +206,8 @@ gloo::AllreduceOptions::Func reduce_fn(const std::string& op) {
 
 // Slots for point-to-point messages: a prefix no collective uses.
 constexpr uint64_t kP2PSlotPrefix = 0x20;
+// The lazy group's formation count (StorelessContext::form): its own slot.
+constexpr uint64_t kFormSlot = uint64_t(0x21) << 56;
 uint64_t p2p_slot(uint32_t tag) {
   return (kP2PSlotPrefix << 56) | static_cast<uint64_t>(tag);
 }
@@ -403,18 +405,38 @@ class StorelessContext {
     });
   }
 
-  // Lazy pairs connect on first use: one allreduce of a counter proves that
-  // every rank is there at this generation (a ring: two pairs per rank), under
-  // the connect deadline rather than the op timeout.  Whatever fails it is a
-  // failed connect.
+  // Lazy pairs connect on first use.  The group forms by counting its members up a
+  // binomial tree to rank 0 and sending the total back down: it proves every rank is
+  // there at this generation in 2*log2(N) message hops (a ring allreduce takes 2(N-1)),
+  // and leaves each rank connected to its tree parent and children only (at most
+  // log2(N)+1 peers), under the connect deadline rather than the op timeout.  Whatever
+  // fails it is a failed connect.
   void form(const std::shared_ptr<gloo::rendezvous::Context>& ctx) {
-    int64_t present = 1;
+    int64_t count = 1;
+    const auto limit = options_.connectTimeout + std::chrono::seconds(2);
     try {
-      gloo::AllreduceOptions opts(ctx);
-      opts.setOutput(&present, 1);
-      opts.setReduceFunction(reduce_fn<int64_t>("sum"));
-      opts.setTimeout(options_.connectTimeout + std::chrono::seconds(2));
-      gloo::allreduce(opts);
+      auto buf = ctx->createUnboundBuffer(&count, sizeof(count));
+      int64_t part = 0;
+      auto in = ctx->createUnboundBuffer(&part, sizeof(part));
+      int low = 1;                        // the lowest set bit of the rank (size for rank 0)
+      while (low < size_ && !(rank_ & low)) low <<= 1;
+      for (int mask = 1; mask < low; mask <<= 1) {     // children: rank + 1, 2, 4, .. below low
+        if (rank_ + mask >= size_) break;
+        in->recv(rank_ + mask, kFormSlot);
+        in->waitRecv(limit);
+        count += part;
+      }
+      if (rank_ != 0) {
+        buf->send(rank_ - low, kFormSlot);
+        buf->waitSend(limit);
+        buf->recv(rank_ - low, kFormSlot);
+        buf->waitRecv(limit);
+      }
+      for (int mask = low >> 1; mask >= 1; mask >>= 1) {
+        if (rank_ + mask >= size_) continue;
+        buf->send(rank_ + mask, kFormSlot);
+        buf->waitSend(limit);
+      }
     } catch (const gloo::AbortedException&) {
       throw;
     } catch (const gloo::StaleGenerationException&) {
@@ -428,10 +450,10 @@ class StorelessContext {
           std::to_string(size_) + ", generation " + std::to_string(generation_) +
           ") did not form within the connect deadline: " + e.what());
     }
-    if (present != size_) {
+    if (count != size_) {
       ctx->abort("the storeless connect counted the wrong ranks");
       throw gloo::IoException("Storeless connect of rank " + std::to_string(rank_) +
-                              " counted " + std::to_string(present) + " ranks, expected " +
+                              " counted " + std::to_string(count) + " ranks, expected " +
                               std::to_string(size_));
     }
   }
@@ -788,8 +810,8 @@ past it is retried, so a listener that vanished with its reset lost costs about
 that long.  Established connections are probed after keepalive_idle seconds of
 silence, every keepalive_interval seconds, and fail after keepalive_count
 unanswered probes (the same bound applies to unacknowledged data); 0 turns it off.
-With lazy=True, connect() connects only what one allreduce needs (a ring: two
-peers), and every other pair is connected the first time an operation uses it,
+With lazy=True, connect() counts the members up and down a binomial tree (at most
+log2(size)+1 peers each), and every other pair is connected the first time an operation uses it,
 within connect_timeout of that use (the higher rank dials; a lower rank rings the
 higher one's doorbell so it dials at once, whatever the order the ranks arrive in).
 With connect=False call connect() later (e.g. in a thread, to abort it).
@@ -805,7 +827,7 @@ Every blocking method releases the GIL; abort() may be called from any thread.
            py::arg("keepalive_interval") = 1.0, py::arg("keepalive_count") = 5,
            py::arg("lazy") = false)
       .def("connect", &StorelessContext::connect,
-           "Connect the full mesh, or with lazy=True the pairs one allreduce uses (blocks "
+           "Connect the full mesh, or with lazy=True a binomial tree of pairs (blocks "
            "until connected or the connect deadline passes: ConnectTimeoutError naming "
            "the missing ranks).")
       .def("connections", &StorelessContext::connections,

@@ -1,0 +1,56 @@
+"""The benchmarks run from a checkout and print what their docs promise (small N only).
+
+The numbers themselves are not asserted (they are measurements); what is asserted is
+the behaviour they report: lazy pairs leave at most log2(N)+2 connections per rank, the
+full mesh N-1, and every arrival order completes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from util import REPO
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _run(script: str, *args: str, timeout: float = 300) -> str:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args], capture_output=True,
+                          text=True, timeout=timeout, cwd="/")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_scale_reports_log_connections_for_lazy_pairs_and_the_mesh_for_full(tmp_path):
+    out = tmp_path / "scale.json"
+    text = _run("scale.py", "--n", "6", "--mesh", "6", "--stock", "", "--netns", "", "--json", str(out))
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == 1 and doc["costs"]["conn_s"] > 0 and doc["costs"]["hop_s"] > 0
+    runs = {r["stack"]: r for r in doc["runs"]}
+    assert runs["hpct-lazy"]["error"] is None and runs["hpct-mesh"]["error"] is None, runs
+    # a binomial tree (formation) and a ring (the allreduce): at most log2(6) + 2 peers
+    assert runs["hpct-lazy"]["conn_max"] <= 4 and runs["hpct-lazy"]["recovery"]["conn_max"] <= 4
+    assert runs["hpct-mesh"]["conn_max"] == 5
+    assert runs["hpct-lazy"]["recovery_s"] > 0
+    assert "| hpct-lazy | loopback | 6 |" in text, text
+    model = _run("model.py", "--inputs", str(out), "--png", str(tmp_path / "model.png"), "--n", "1000,100000")
+    assert (tmp_path / "model.png").stat().st_size > 1000
+    assert "100000" in model, model
+
+
+def test_startup_every_arrival_order_completes():
+    text = _run("startup.py", "--n", "3", "--repeat", "1", "--orders", "in order,reverse,random")
+    for order in ("in order", "reverse", "random"):
+        assert re.search(rf"^\| 3 \|\s+{order} \|", text, re.MULTILINE), text
+
+
+def test_an_unknown_arrival_order_is_refused_before_anything_runs():
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "startup.py"), "--orders", "sideways"],
+                          capture_output=True, text=True, timeout=120, cwd="/")
+    assert proc.returncode != 0
+    assert "unknown arrival order 'sideways'" in proc.stderr, proc.stderr
