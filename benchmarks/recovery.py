@@ -33,6 +33,25 @@ import hpct.distributed  # noqa: E402,F401  (registers the backend before forkin
 from hpct.distributed import measure as m  # noqa: E402
 
 
+def _measured(what: str, fn, *args, **kwargs) -> float | None:
+    """Seconds, or None (said on stderr with the reason) for a run that did not complete."""
+    try:
+        seconds = fn(*args, **kwargs)
+    except (TimeoutError, RuntimeError, SystemExit) as err:
+        print(f"  {what}: did not complete: {err}", file=sys.stderr, flush=True)
+        return None
+    print(f"  {what}: {seconds:.3f} s", file=sys.stderr, flush=True)
+    return seconds
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if not (a and b) else f"{a / b:.1f}x"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", default="4,8,16", help="comma list of world sizes")
@@ -44,14 +63,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rows, data = [], []
     for n in [int(x) for x in args.n.split(",")]:
-        h = m.recovery_in_process("hpct", n, args.stock_timeout, late=args.late)
-        s = m.recovery_in_process("stock", n, args.stock_timeout, late=args.late)
-        f = m.full_restart(n)
-        rows.append([n, f"{h * 1000:.0f}", f"{s * 1000:.0f}", f"{s / h:.1f}x", f"{f * 1000:.0f}", f"{f / h:.1f}x",
-                     f"{(h - args.late) * 1000:.0f}", f"{(s - args.late) * 1000:.0f}"])
+        h = _measured(f"hpct N={n}", m.recovery_in_process, "hpct", n, args.stock_timeout, late=args.late)
+        s = _measured(f"stock N={n}", m.recovery_in_process, "stock", n, args.stock_timeout, late=args.late)
+        f = _measured(f"full restart N={n}", m.full_restart, n)
+        rows.append([n, _ms(h), _ms(s), _ratio(s, h), _ms(f), _ratio(f, h),
+                     _ms(h and h - args.late), _ms(s and s - args.late)])
         data.append({"n": n, "late_s": args.late, "hpct_s": h, "stock_inprocess_s": s, "stock_restart_s": f})
-        print(f"  N={n}: hpct {h:.3f} s, stock in-process {s:.3f} s, full restart {f:.3f} s",
-              file=sys.stderr, flush=True)
+    print("(-: did not complete; the reason is on stderr)", file=sys.stderr)
     print(m.table(["N", "hpct in-process (ms)", "stock in-process (ms)", "stock/hpct",
                         "stock full restart (ms)", "restart/hpct", "hpct after it (ms)",
                         "stock after it (ms)"], rows,

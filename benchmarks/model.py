@@ -1,0 +1,193 @@
+#!/usr/bin/env python3
+"""A start-up and recovery model for 1K-100K ranks, fed by benchmarks/scale.py's measurements.
+
+    python benchmarks/scale.py --json scale.json
+    python benchmarks/model.py --inputs scale.json [--png docs/scale-model.png] [--n 1000,...]
+
+Every cost comes from scale.py's micro-measurements on this machine (one connect, one
+message hop, one store request, one Python + torch start); every assumption is a
+named constant or formula below.  The measured scale runs are printed and plotted
+beside the curves.  See docs/scale.md for the reasoning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+SCHEMA = 1
+DEFAULT_N = (1000, 2000, 4000, 8000, 16000, 32000, 64000, 100000)
+OPEN_FILES_DEFAULT = 1024      # the usual soft RLIMIT_NOFILE
+BASE_FDS = 16                  # a rank's descriptors besides its sockets (measured: 8-18)
+NCCL_STAGGER_RANKS = 256       # NCCL's bootstrap root staggers connects beyond this many ranks
+NCCL_CONNECTS_PER_S = 7000     # ... at this rate
+NCCL_RING_ALLGATHERS = 3       # bootstrapInit's ring allgathers (N-1 steps each), stock and hpct alike
+STORE_OPS_PER_RANK = 2         # a rank sets its address, then gets every other rank's: 1 + (N-1) requests
+DETECT_HOPS = 0.5              # a failure notice reaches a rank after ~N/2 hops on a ring, log2 N on a tree
+
+
+def stock_startup(n: int, c: dict) -> dict:
+    """Stock: N^2 store requests served by one store, N-1 connects per rank, NCCL's root.
+    ``gloo`` is the part scale.py measures (store, mesh, first all_reduce)."""
+    store = n * (1 + (n - 1)) * c["store_op_s"]                        # serialised at rank 0's store
+    mesh = (n - 1) * c["conn_s"]                                        # each rank's connects, ranks in parallel
+    first = 2 * (n - 1) * c["hop_s"]                                    # the first ring all_reduce
+    root = n * c["conn_s"] + max(0, n - NCCL_STAGGER_RANKS) / NCCL_CONNECTS_PER_S
+    rings = NCCL_RING_ALLGATHERS * (n - 1) * c["hop_s"]
+    gloo = store + mesh + first
+    return {"total": gloo + root + rings, "gloo": gloo, "store": store}
+
+
+def hpct_startup(n: int, c: dict) -> dict:
+    """hpct: no store, no root; a group forms on a binomial tree of lazy pairs (log2 N + 1
+    connects, 2 log2 N hops); NCCL's ring bootstrap connects one neighbour.
+    ``gloo`` is the part scale.py measures (formation, first all_reduce)."""
+    depth = math.ceil(math.log2(max(n, 2)))
+    form = (depth + 1) * c["conn_s"] + 2 * depth * c["hop_s"]
+    first = 2 * c["conn_s"] + 2 * (n - 1) * c["hop_s"]                  # ring neighbours connect on use
+    rings = c["conn_s"] + NCCL_RING_ALLGATHERS * (n - 1) * c["hop_s"]
+    return {"total": form + first + rings, "gloo": form + first, "form": form}
+
+
+def stock_rank0_fds(n: int) -> int:
+    """Rank 0 holds its N-1 mesh sockets and the store's N client connections (measured at
+    N=256: 514 sockets, 730 descriptors)."""
+    return (n - 1) + n + BASE_FDS
+
+
+def stock_recovery(n: int, c: dict) -> float:
+    """Stock: every process restarts (Python + torch), then the whole start-up again."""
+    return c["proc_start_s"] + stock_startup(n, c)["total"]
+
+
+def hpct_recovery(n: int, c: dict) -> float:
+    """hpct: the failure notice spreads, survivors abort and form the next generation in place."""
+    detect = DETECT_HOPS * n * c["hop_s"]
+    return detect + hpct_startup(n, c)["total"]
+
+
+def _slope(pts) -> float | None:
+    """Least squares through the origin: y = k x."""
+    pts = [(x, y) for x, y in pts if x > 0]
+    return sum(x * y for x, y in pts) / sum(x * x for x, _ in pts) if pts else None
+
+
+def fitted_costs(runs: list[dict], c: dict) -> dict:
+    """The hop and store costs that reproduce this machine's scale runs.
+
+    On 2 cores running N processes a hop includes waiting for a CPU and a store request
+    waits behind N clients, so these are this machine's costs, far above the loopback
+    micro-costs, which stand for a cluster where every rank has its own cores."""
+    loop = [r for r in runs if r["where"] == "loopback" and r.get("startup_s")]
+    hop = _slope((2 * math.ceil(math.log2(r["n"])) + 2 * (r["n"] - 1), r["startup_s"])
+                 for r in loop if r["stack"] == "hpct-lazy") or c["hop_s"]
+    store = _slope((r["n"] ** 2, r["startup_s"] - 2 * (r["n"] - 1) * hop)
+                   for r in loop if r["stack"] == "stock") or c["store_op_s"]
+    return {**c, "hop_s": hop, "store_op_s": max(store, c["store_op_s"])}
+
+
+def load(path: str) -> dict:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        sys.exit(f"model.py: cannot read {path}: {err}\n  fix: run benchmarks/scale.py --json {path} first")
+    if doc.get("schema") != SCHEMA or "costs" not in doc or "runs" not in doc:
+        sys.exit(f"model.py: {path} is not a scale.py result of schema {SCHEMA}\n"
+                 f"  fix: write it again with this checkout's benchmarks/scale.py --json")
+    missing = [k for k in ("conn_s", "hop_s", "store_op_s", "proc_start_s") if doc["costs"].get(k) is None]
+    if missing:
+        sys.exit(f"model.py: {path} lacks the costs {', '.join(missing)} (torch missing when it ran?)\n"
+                 "  fix: run scale.py where torch is installed")
+    return doc
+
+
+def table(ns, c: dict) -> str:
+    lines = ["| N | stock start-up (s) | hpct start-up (s) | stock/hpct | stock recovery (s) | "
+             "hpct recovery (s) | stock/hpct | conns per rank stock / hpct | stock rank 0 over 1024 fds |",
+             "|---" * 9 + "|"]
+    for n in ns:
+        s, h = stock_startup(n, c)["total"], hpct_startup(n, c)["total"]
+        sr, hr = stock_recovery(n, c), hpct_recovery(n, c)
+        conns = f"{n - 1} / {math.ceil(math.log2(n)) + 2}"
+        lines.append(f"| {n} | {s:.2f} | {h:.3f} | {s / h:.0f}x | {sr:.2f} | {hr:.3f} | {sr / hr:.0f}x | "
+                     f"{conns} | {'yes' if stock_rank0_fds(n) > OPEN_FILES_DEFAULT else 'no'} |")
+    return "\n".join(lines)
+
+
+def fit_table(runs: list[dict], c: dict, c_fit: dict) -> str:
+    lines = ["| stack | N | measured start-up (s) | model, loopback costs (s) | model, this machine's costs (s) |",
+             "|---|---|---|---|---|"]
+    for r in runs:
+        if r["where"] != "loopback" or r["stack"] not in ("stock", "hpct-lazy") or not r.get("startup_s"):
+            continue
+        f = stock_startup if r["stack"] == "stock" else hpct_startup
+        lines.append(f"| {r['stack']} | {r['n']} | {r['startup_s']:.3f} | {f(r['n'], c)['gloo']:.3f} | "
+                     f"{f(r['n'], c_fit)['gloo']:.3f} |")
+    return "\n".join(lines)
+
+
+def plot(path: str, runs: list[dict], c: dict, c_fit: dict) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit("model.py: --png needs matplotlib\n  fix: pip install 'hpct[bench]' (or matplotlib)")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ns = [int(2 ** (k / 4)) for k in range(4 * 2, 4 * 17 + 1)]            # 4 .. 131072
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for label, f, style in (("stock start-up", lambda n, k: stock_startup(n, k)["total"], "C3-"),
+                            ("stock recovery (full restart)", stock_recovery, "C3--"),
+                            ("hpct start-up", lambda n, k: hpct_startup(n, k)["total"], "C0-"),
+                            ("hpct recovery (in-process)", hpct_recovery, "C0--")):
+        ax.plot(ns, [f(n, c) for n in ns], style, label=f"{label}, loopback costs")
+    for label, f, style in (("stock Gloo start-up", stock_startup, "C3:"), ("hpct Gloo start-up", hpct_startup, "C0:")):
+        ax.plot(ns, [f(n, c_fit)["gloo"] for n in ns], style, label=f"{label}, this machine's costs")
+    for stack, key, marker in (("stock", "startup_s", "C3o"), ("hpct-lazy", "startup_s", "C0o"),
+                               ("hpct-lazy", "recovery_s", "C0s")):
+        pts = [(r["n"], r[key]) for r in runs if r["stack"] == stack and r["where"] == "loopback" and r.get(key)]
+        if pts:
+            ax.plot(*zip(*pts), marker, label=f"measured {stack} {key.split('_')[0]} (loopback, {os.cpu_count()} CPUs)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks (N)")
+    ax.set_ylabel("seconds")
+    ax.set_title("Start-up and recovery: model (lines) and scale runs (markers)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    tmp = f"{path}.tmp.png"
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--inputs", required=True, help="scale.py --json output")
+    ap.add_argument("--png", help="write the plot here")
+    ap.add_argument("--n", default=",".join(map(str, DEFAULT_N)), help="world sizes to predict")
+    args = ap.parse_args(argv)
+    doc = load(args.inputs)
+    c = doc["costs"]
+    c_fit = fitted_costs(doc["runs"], c)
+    ns = [int(x) for x in args.n.split(",") if x]
+    print("inputs (loopback micro-costs): " + ", ".join(f"{k}={v:.3g}" for k, v in c.items()))
+    print(f"this machine's costs, fitted to the scale runs: hop_s={c_fit['hop_s']:.3g}, "
+          f"store_op_s={c_fit['store_op_s']:.3g}")
+    print()
+    print("Predicted with the loopback costs (a cluster's hop is of this order; see docs/scale.md):\n")
+    print(table(ns, c))
+    print()
+    print("Measured against the model (the Gloo part that scale.py measures):\n")
+    print(fit_table(doc["runs"], c, c_fit))
+    if args.png:
+        plot(args.png, doc["runs"], c, c_fit)
+        print(f"\nplot: {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
