@@ -17,7 +17,8 @@ from typing import Callable, Iterable
 
 TORCH_CPU_PIN = "2.13.0"        # the stock CPU wheel ci/setup.sh installs and CI runs against
 TORCH_PATCHED_PIN = "2.6.0"     # the PyTorch hpct's c10d/NCCL series patch (hpct-build build pytorch)
-NON_RUNTIME_EXTRAS = frozenset({"test"})
+# Extras that hpct never imports at run time: the test suite's, and the benchmarks' plotting.
+NON_RUNTIME_EXTRAS = frozenset({"test", "bench"})
 
 _NAME = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*")
 _EXTRA = re.compile(r"""extra\s*==\s*["']([^"']+)["']""")

@@ -55,9 +55,19 @@ def test_parse_requirement_forms():
         parse_requirement("; extra == 'x'")
 
 
-def test_runtime_requirements_drop_test_extras():
-    reqs = runtime_requirements(['torch<2.14,>=2.6; extra == "torch"', 'pytest>=7; extra == "test"', "numpy"])
+def test_runtime_requirements_drop_test_and_benchmark_extras():
+    reqs = runtime_requirements(['torch<2.14,>=2.6; extra == "torch"', 'pytest>=7; extra == "test"',
+                                 'matplotlib>=3.7; extra == "bench"', "numpy"])
     assert [r.name for r in reqs] == ["torch", "numpy"]
+
+
+def test_the_installed_wheel_declares_no_runtime_dependency_beyond_torch():
+    """The extras hpct declares (pyproject.toml) leave torch as the only thing doctor
+    requires, so a runtime image without the test or benchmark tools passes doctor."""
+    import importlib.metadata
+    declared = importlib.metadata.metadata("hpct").get_all("Requires-Dist") or []
+    assert any('extra == "bench"' in d for d in declared), declared
+    assert [r.name for r in runtime_requirements(declared)] == ["torch"]
 
 
 @pytest.mark.parametrize("version,spec,ok", [
