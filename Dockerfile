@@ -44,7 +44,7 @@ RUN --mount=type=secret,id=pip-ca set -eu; \
 sys.exit(not os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
       || { apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-dev >/dev/null; }; \
     PYTHON=/opt/build/bin/python bash ci/setup.sh; \
-    /opt/build/bin/python -m hpct.build wheel; \
+    /opt/build/bin/python -m hpct.builder wheel; \
     /opt/hpct/bin/pip install --no-index --no-deps --find-links dist hpct
 
 FROM ${BASE}

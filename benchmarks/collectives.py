@@ -23,7 +23,7 @@ import torch.distributed as dist  # noqa: E402
 from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions  # noqa: E402
 
 import hpct.distributed as hd  # noqa: E402
-from hpct.distributed import measure as _bench  # noqa: E402
+from hpct.demo import measure as _bench  # noqa: E402
 
 SIZES = [4, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 

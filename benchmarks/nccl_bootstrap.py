@@ -58,8 +58,8 @@ class SourceMissing(RuntimeError):
 
 
 def _nccl_manifest(repo: Path):
-    from hpct.build.layout import Layout
-    from hpct.build.sources import load_manifest
+    from hpct.builder.layout import Layout
+    from hpct.builder.sources import load_manifest
     return Layout(repo), load_manifest(Layout(repo), "nccl")
 
 
@@ -75,7 +75,7 @@ def source_hint(repo: Path = REPO) -> str:
 
 def source_missing(repo: Path = REPO) -> str | None:
     """None when NCCL's source is at hand (the verified tree, or HPCT_NCCL_SOURCE), else why not."""
-    from hpct.build.sources import STAMP
+    from hpct.builder.sources import STAMP
     layout, m = _nccl_manifest(repo)
     if (layout.source(m.name, m.version) / STAMP).is_file() or os.environ.get("HPCT_NCCL_SOURCE"):
         return None
@@ -84,7 +84,7 @@ def source_missing(repo: Path = REPO) -> str | None:
 
 def patched_tree(repo: Path = REPO) -> tuple[Path, str]:
     """The patched tree hpct-build patch made, and its series id."""
-    from hpct.build.patches import PATCHED_STAMP
+    from hpct.builder.patches import PATCHED_STAMP
     layout, m = _nccl_manifest(repo)
     tree = layout.patched(m.name, m.version)
     try:
@@ -96,7 +96,7 @@ def patched_tree(repo: Path = REPO) -> tuple[Path, str]:
 
 def patch_with_cli(repo: Path = REPO, timeout: float = 900) -> None:
     """hpct-build patch nccl (the installed CLI), for the benchmark; the tests use run_cli."""
-    code = "import sys; from hpct.build.cli import main; sys.exit(main())"
+    code = "import sys; from hpct.builder.cli import main; sys.exit(main())"
     proc = subprocess.run([sys.executable, "-c", code, "patch", "nccl", "--root", str(repo)],
                           capture_output=True, text=True, timeout=timeout, cwd="/")
     if proc.returncode != 0:
@@ -114,9 +114,9 @@ def _version_fields(tree: Path) -> dict[str, str]:
 
 def harness_binary(tree: Path, series_id: str, repo: Path = REPO, progress=None) -> Path:
     """Compile the harness against the patched tree once per (series, harness sources, CUDA)."""
-    from hpct.build.cuda import DEFAULT_CUDA, cuda_headers
-    from hpct.build.layout import Layout
-    from hpct.build.progress import Progress
+    from hpct.builder.cuda import DEFAULT_CUDA, cuda_headers
+    from hpct.builder.layout import Layout
+    from hpct.builder.progress import Progress
     progress = progress or Progress(quiet=True)
     key = hashlib.sha256()
     for rel in HARNESS_SOURCES:
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print the results as JSON too")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    from hpct.build.progress import Progress
+    from hpct.builder.progress import Progress
     progress = Progress()
     if (why := source_missing()) is not None:
         print(f"nccl_bootstrap: {why}", file=sys.stderr)

@@ -30,7 +30,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 import hpct.distributed  # noqa: E402,F401  (registers the backend before forking)
-from hpct.distributed import measure as m  # noqa: E402
+from hpct.demo import measure as m  # noqa: E402
 
 
 def _measured(what: str, fn, *args, **kwargs) -> float | None:

@@ -1,7 +1,7 @@
 """Stock PyTorch Gloo at scale for benchmarks/scale.py: a TCPStore on rank 0 and the full
 mesh.  Ranks are forked from this process (which imports torch once) and released
 together through one pipe, as scale.py releases hpct's ranks; each reports its first
-all_reduce and its descriptors.  Recovery is hpct.distributed.measure's stock path
+all_reduce and its descriptors.  Recovery is hpct.demo.measure's stock path
 (destroy, a new store, init; the survivors learn of the death by the op timeout)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from hpct.distributed.measure import free_port, recovery_in_process
+from hpct.demo.measure import free_port, recovery_in_process
 
 PHASE_S = 240.0
 OP_TIMEOUT_S = 5.0

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 . ci/python.sh
 hpct_pick_python
 bash ci/setup.sh
-"$PYTHON" -m hpct.build all
+"$PYTHON" -m hpct.builder all
 # The demo runs through the installed console script, as a user would run `hpct demo`.
 hpct=$(hpct_console_script hpct)
 "$hpct" demo

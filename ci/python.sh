@@ -48,7 +48,7 @@ hpct_console_script() {
   path=$("$PYTHON" -P -c "from hpct.cliutil import console_script as c; print(c('$name') or '')")
   if [ -z "$path" ]; then
     echo "ci: the installed hpct has no '$name' console script ($PYTHON)" >&2
-    echo "  fix: reinstall it: $PYTHON -m hpct.build wheel --install" >&2
+    echo "  fix: reinstall it: $PYTHON -m hpct.builder wheel --install" >&2
     return 1
   fi
   if command -v pyenv >/dev/null 2>&1; then pyenv rehash >/dev/null 2>&1 || true; fi

@@ -7,8 +7,8 @@ cd "$(dirname "$0")/.."
 . ci/python.sh
 hpct_pick_python
 bash ci/setup.sh --tests
-"$PYTHON" -m hpct.build all
-"$PYTHON" -m hpct.build build gloo --tests
+"$PYTHON" -m hpct.builder all
+"$PYTHON" -m hpct.builder build gloo --tests
 hpct_console_script hpct >/dev/null       # rehash pyenv's shims; note when hpct is off PATH
 # -P keeps the checkout off sys.path (the tests exercise the installed wheel), and
 # the same interpreter that installed the wheel runs the tests.

@@ -76,7 +76,7 @@ VARIABLES: tuple[Var, ...] = (
 )
 
 # HPCT_* names read by other parts of hpct (the build: CMake defines, and
-# hpct/build/main_fetch.py's HPCT_<COMPONENT>_SOURCE), accepted here so that an
+# hpct/builder/main_fetch.py's HPCT_<COMPONENT>_SOURCE), accepted here so that an
 # environment that builds and runs hpct is not rejected as misspelled.
 FOREIGN_HPCT_NAMES = frozenset({"HPCT_GLOO_PREFIX", "HPCT_GLOO_SERIES_ID", "HPCT_GLOO_SOURCE",
                                 "HPCT_NCCL_SOURCE", "HPCT_PYTORCH_SOURCE"})

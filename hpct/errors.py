@@ -1,15 +1,27 @@
-"""One exception base for every failure hpct reports to a user.
+"""One exception hierarchy for every failure hpct reports: the CLIs', the backend's, Gloo's.
 
 Each class owns a distinct exit code so that scripts (and CI) can tell a bad
-input from a broken toolchain without parsing text.  Every message is meant to
-be shown as is: it names the problem and what to do next.  Tracebacks are shown
-only with ``-v``.
+input from a broken toolchain, or a lost peer from a bad argument, without parsing
+text.  Every message is meant to be shown as is: it names the problem and what to do
+next.  Tracebacks are shown only with ``-v``.
+
+The root is a ``RuntimeError`` because a failed collective must be one: torch's own
+backends raise RuntimeError, and training code (DDP, FSDP, torchrun's agents) catches
+that.  The runtime branch:
+
+- ``CollectiveError``: an op of an hpct group failed (peer lost, aborted, timed out);
+  the group is failed and ``hpct.distributed.recover()`` re-forms it.
+- ``ArgumentError``: a collective was called with arguments the backend refuses;
+  nothing was sent and the group is fine (also a ``ValueError``).
+- ``TransportError``: the base of the ``hpct._gloo`` extension's exception types
+  (GlooError and its subclasses: AbortedError, PeerError, OpTimeoutError, ...), which
+  the extension creates at import with this class as their root.
 """
 
 from __future__ import annotations
 
 
-class HpctError(Exception):
+class HpctError(RuntimeError):
     """Base class: ``str(err)`` is the whole user-facing message."""
 
     exit_code = 1
@@ -80,6 +92,28 @@ class RendezvousError(HpctError):
     exit_code = 11
 
 
-EXIT_CODES = {cls.__name__: cls.exit_code for cls in (
-    HpctError, ConfigError, SourceError, ChecksumError, PatchError, ToolchainError,
-    BuildError, SysctlError, PortPlanError, DoctorFailed, RendezvousError)}
+class CollectiveError(HpctError):
+    """An op of an hpct process group failed: the message names the group, the rank, the
+    generation and (where known) the peer; the group is failed until ``recover()``."""
+
+    exit_code = 12
+
+
+class ArgumentError(HpctError, ValueError):
+    """A collective was called with arguments the hpct backend refuses; nothing was sent."""
+
+    exit_code = 13
+
+
+class TransportError(HpctError):
+    """Root of the transport's own errors (``hpct._gloo.GlooError`` and its subclasses)."""
+
+    exit_code = 14
+
+
+def _all(cls: type) -> list[type]:
+    return [cls] + [sub for child in cls.__subclasses__() for sub in _all(child)]
+
+
+# Every class above, by name; a subclass made elsewhere (the extension's) is not listed.
+EXIT_CODES = {cls.__name__: cls.exit_code for cls in _all(HpctError) if cls.__module__ == __name__}

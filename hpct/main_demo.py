@@ -29,7 +29,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def _train(out: Path, n: int, steps: int, fault: int | None, deadline: float):
-    from .distributed.agent import Job, free_port_block, trainer_argv
+    from .demo.agent import Job, free_port_block, trainer_argv
     args = ["--steps", str(steps)]
     victim = n // 2
     if fault is not None:
@@ -88,7 +88,7 @@ def execute(args: argparse.Namespace) -> int:
         import torch  # noqa: F401  (after the banner: importing takes a moment)
 
         import hpct.distributed  # noqa: F401
-        from .distributed import measure as m
+        from .demo import measure as m
         ref, _, _ = _train(work / "reference", args.ranks, args.steps, None, deadline)
         recs, survivors, victim = _train(work / "fault", args.ranks, args.steps, args.fault_step, deadline)
         ps, ref_ps = _params(work / "fault", args.ranks), _params(work / "reference", args.ranks)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpct.distributed.agent import Job, free_port_block
+from hpct.demo.agent import Job, free_port_block
 from util import same
 
 pytestmark = pytest.mark.multiprocess

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from hpct.distributed.agent import Job, free_port_block
+from hpct.demo.agent import Job, free_port_block
 
 pytestmark = pytest.mark.multiprocess
 

@@ -27,9 +27,9 @@ def test_help_is_fast_and_lists_every_verb():
 
 
 def test_help_does_not_import_the_verbs():
-    code = ("import sys; from hpct.build.cli import main\n"
+    code = ("import sys; from hpct.builder.cli import main\n"
             "try: main(['--help'])\nexcept SystemExit: pass\n"
-            "print(sorted(m for m in sys.modules if m.startswith('hpct.build.main_')))")
+            "print(sorted(m for m in sys.modules if m.startswith('hpct.builder.main_')))")
     import subprocess
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
     assert out.stdout.strip().splitlines()[-1] == "[]"
@@ -87,10 +87,10 @@ def test_outside_a_checkout_says_so(tmp_path):
 
 
 def test_status_from_the_checkout_still_sees_the_installed_extension(repo):
-    # `python3 -m hpct.build` in the checkout imports hpct from the source tree, which has
+    # `python3 -m hpct.builder` in the checkout imports hpct from the source tree, which has
     # no compiled extension: status must ask the installed package, not itself.
     import subprocess
-    proc = subprocess.run([sys.executable, "-m", "hpct.build", "status", "--json"], cwd=repo,
+    proc = subprocess.run([sys.executable, "-m", "hpct.builder", "status", "--json"], cwd=repo,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     wheel = json.loads(proc.stdout)["wheel"]

@@ -121,3 +121,16 @@ def test_console_script_lookup_without_hpct_installed(monkeypatch):
         raise metadata.PackageNotFoundError(name)
     monkeypatch.setattr(metadata, "distribution", missing)
     assert console_script("hpct") is None
+
+
+def test_old_module_name_still_runs_the_build_cli_and_says_it_is_deprecated():
+    # The pipeline moved from hpct.build to hpct.builder; scripts that call the old
+    # module keep working for one release and are told the new name.
+    old = subprocess.run([sys.executable, "-m", "hpct.build", "--version"], capture_output=True,
+                         text=True, timeout=120, cwd="/")
+    new = subprocess.run([sys.executable, "-m", "hpct.builder", "--version"], capture_output=True,
+                         text=True, timeout=120, cwd="/")
+    assert old.returncode == new.returncode == 0, old.stderr
+    assert old.stdout == new.stdout and "hpct-build" in new.stdout
+    assert "deprecated" in old.stderr and "python -m hpct.builder" in old.stderr
+    assert "deprecated" not in new.stderr

@@ -68,18 +68,18 @@ def test_two_stages_and_the_runtime_one_has_no_toolchain(dockerfile):
     copies = [rest for word, rest in runtime if word == "COPY"]
     assert copies == ["--from=build /opt/hpct /opt/hpct"], copies
     runs = " ".join(rest for word, rest in runtime if word == "RUN")
-    for tool in ("apt-get", "ci/setup.sh", "hpct.build", "pip install"):
+    for tool in ("apt-get", "ci/setup.sh", "hpct.builder", "pip install"):
         assert tool not in runs, f"the runtime stage runs {tool}"
 
 
 def test_build_stage_runs_only_the_projects_commands(repo, dockerfile):
-    from hpct.build.cli import VERBS as BUILD_VERBS
+    from hpct.builder.cli import VERBS as BUILD_VERBS
     _, stages = _stages(dockerfile)
     runs = " ".join(rest for word, rest in stages[0] if word == "RUN")
     scripts = re.findall(r"bash (\S+\.sh)", runs)
     assert scripts == ["ci/setup.sh"]
     assert all((repo / s).is_file() for s in scripts)
-    verbs = re.findall(r"-m hpct\.build (\w+)", runs)
+    verbs = re.findall(r"-m hpct\.builder (\w+)", runs)
     # `wheel` fetches and builds Gloo only: `all` would fetch the PyTorch source the image never builds.
     assert verbs == ["wheel"], verbs
     assert all(v in BUILD_VERBS for v in verbs)

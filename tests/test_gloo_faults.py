@@ -198,7 +198,7 @@ def test_a_rank_that_shuts_down_fails_no_peer(tmp_path):
     rank 2."""
     import json
     import sys
-    from hpct.distributed.agent import Job, free_port_block
+    from hpct.demo.agent import Job, free_port_block
     world = 3
     script = tmp_path / "leaver.py"
     script.write_text(LEAVER_RANK)

@@ -21,10 +21,10 @@ MIN_CASES = 2010
 
 
 def test_gloo_own_suite_passes_on_the_patched_tree(repo, tmp_path):
-    from hpct.build.builder import built_info, gloo_test_binary
-    from hpct.build.layout import Layout
-    from hpct.build.patches import load_series
-    from hpct.build.sources import load_manifest
+    from hpct.builder.builder import built_info, gloo_test_binary
+    from hpct.builder.layout import Layout
+    from hpct.builder.patches import load_series
+    from hpct.builder.sources import load_manifest
 
     layout = Layout(repo)
     m = load_manifest(layout, "gloo")

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from hpct.build import cuda
-from hpct.build.layout import Layout
-from hpct.build.progress import Progress
-from hpct.build.sources import STAMP as SOURCE_STAMP
+from hpct.builder import cuda
+from hpct.builder.layout import Layout
+from hpct.builder.progress import Progress
+from hpct.builder.sources import STAMP as SOURCE_STAMP
 from hpct.elf import manylinux_tag, read_elf
 from hpct.errors import ChecksumError, ConfigError, ToolchainError
 from util import REPO, run_cli
@@ -69,7 +69,7 @@ def test_bad_cuda_arch(scratch_root, value, needle):
 
 @pytest.mark.unit
 def test_cuda_arch_becomes_gencode_flags():
-    from hpct.build.nccl import gencode, parse_archs
+    from hpct.builder.nccl import gencode, parse_archs
     assert parse_archs("90, 80,sm_90", "12.4") == ["90", "80"]
     assert parse_archs(None, "12.4") == ["80", "90"]
     assert gencode(["80", "90"]) == ("-gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 "
@@ -527,9 +527,9 @@ def test_real_build_becomes_a_wheel(real_build, tmp_path):
 
 @pytest.mark.unit
 def test_math_headers_for_a_cuda_without_pins_name_the_fix(tmp_path):
-    from hpct.build import cuda
-    from hpct.build.layout import Layout
-    from hpct.build.progress import Progress
+    from hpct.builder import cuda
+    from hpct.builder.layout import Layout
+    from hpct.builder.progress import Progress
     from hpct.errors import ConfigError
     with pytest.raises(ConfigError) as err:
         cuda.cuda_math_headers(Layout(tmp_path), "12.8", Progress(quiet=True))

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from hpct.build.layout import Layout
-from hpct.build.patches import extract_new_file, load_series
-from hpct.build.sources import load_manifest
+from hpct.builder.layout import Layout
+from hpct.builder.patches import extract_new_file, load_series
+from hpct.builder.sources import load_manifest
 from hpct.config import Config
 from hpct.ports import PortPlan, free_port_block
 from netns import netns_network, unavailable_reason

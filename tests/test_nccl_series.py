@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from hpct.build.layout import Layout
-from hpct.build.patches import (TOUCHED_SHA256, Series, SeriesEntry, apply_series, extract_new_file,
+from hpct.builder.layout import Layout
+from hpct.builder.patches import (TOUCHED_SHA256, Series, SeriesEntry, apply_series, extract_new_file,
                                 lint_insertion_only, lint_patch, load_series, new_files, touched_files)
-from hpct.build.progress import Progress
-from hpct.build.sources import load_manifest, sha256_of
+from hpct.builder.progress import Progress
+from hpct.builder.sources import load_manifest, sha256_of
 from hpct.errors import PatchError
 from util import REPO, run_cli
 

@@ -33,7 +33,7 @@ def test_every_series_line_names_an_existing_patch_with_a_why(repo):
 
 
 def test_every_patch_is_format_patch_with_dep3_fields(repo):
-    from hpct.build.patches import lint_patch
+    from hpct.builder.patches import lint_patch
     patches = [p for d in _series_dirs(repo) for p in sorted(d.glob("*.patch"))]
     assert patches
     for p in patches:
@@ -41,7 +41,7 @@ def test_every_patch_is_format_patch_with_dep3_fields(repo):
 
 
 def test_lint_names_each_missing_field(tmp_path):
-    from hpct.build.patches import lint_patch
+    from hpct.builder.patches import lint_patch
     bad = tmp_path / "0001-x.patch"
     bad.write_text("From 0 Mon Sep 17 00:00:00 2001\nSubject: [PATCH] x\n\nDescription: x\n"
                    "Last-Update: 22/11/2026\n---\ndiff --git a/x b/x\n")

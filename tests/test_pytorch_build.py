@@ -22,9 +22,9 @@ WORK = REPO / "third_party" / "build" / f"pytorch-{VERSION}"
 
 
 def _series_id(root: Path, name: str) -> str:
-    from hpct.build.layout import Layout
-    from hpct.build.patches import load_series
-    from hpct.build.sources import load_manifest
+    from hpct.builder.layout import Layout
+    from hpct.builder.patches import load_series
+    from hpct.builder.sources import load_manifest
     layout = Layout(root)
     return load_series(layout, load_manifest(layout, name)).identity()
 
@@ -198,7 +198,7 @@ def test_unfetched_tree_is_a_blocker_not_an_error(scratch_root):
 
 
 def test_a_full_source_tree_has_no_submodule_blocker(scratch_root):
-    from hpct.build.pytorch import CPU_SUBMODULES
+    from hpct.builder.pytorch import CPU_SUBMODULES
     src = scratch_root / "third_party" / "src" / "pytorch-2.6.0"
     for sub in CPU_SUBMODULES:
         (src / "third_party" / sub).mkdir(parents=True)

@@ -302,7 +302,7 @@ def test_group_rank_outside_the_group(rl):
 # ------------------------------------------------------------ headers for C++ (cached, atomic)
 
 def _layout():
-    from hpct.build.layout import Layout
+    from hpct.builder.layout import Layout
     return Layout(REPO)
 
 
@@ -331,16 +331,16 @@ def stock_nccl() -> Path:
 
 def rootless_header(dest: Path) -> Path:
     """hpct's nccl_rootless.h, as the NCCL series adds it."""
-    from hpct.build.patches import extract_new_file
-    from hpct.build.sources import load_manifest
+    from hpct.builder.patches import extract_new_file
+    from hpct.builder.sources import load_manifest
     layout = _layout()
     return extract_new_file(layout, load_manifest(layout, "nccl"), "src/include/nccl_rootless.h", dest).parent
 
 
 def cuda_includes() -> list[Path]:
-    """CUDA 12.4 headers from PyPI wheels (hpct.build.cuda), plus the math libraries' headers."""
-    from hpct.build import cuda
-    from hpct.build.progress import Progress
+    """CUDA 12.4 headers from PyPI wheels (hpct.builder.cuda), plus the math libraries' headers."""
+    from hpct.builder import cuda
+    from hpct.builder.progress import Progress
     layout, progress = _layout(), Progress()
     return [cuda.cuda_headers(layout, CUDA, progress), cuda.cuda_math_headers(layout, CUDA, progress)]
 
@@ -535,8 +535,8 @@ def test_hpct_libnccl_has_the_rootless_entry_point(probe_env):
     lib = HPCT_NCCL / "lib" / "libnccl.so.2"
     if not lib.is_file():
         pytest.skip(f"no hpct NCCL build at {HPCT_NCCL} (hpct-build build nccl needs NCCL's source)")
-    from hpct.build import cuda
-    from hpct.build.progress import Progress
+    from hpct.builder import cuda
+    from hpct.builder.progress import Progress
     pkg, ver, sha = next(w for w in cuda.pins(CUDA)["wheels"] if w[0] == "nvidia-cuda-runtime-cu12")
     cudart = probe_env["work"] / "cudart"
     cuda._unpack(cuda._wheel(_layout(), CUDA, pkg, ver, sha, Progress()), "cuda_runtime/lib", cudart)

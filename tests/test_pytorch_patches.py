@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from hpct.build.sources import sha256_of
+from hpct.builder.sources import sha256_of
 from gloo_helpers import free_block
 from util import REPO, run_cli
 
@@ -89,7 +89,7 @@ def _error_names(err, *names: str) -> None:
 
 @pytest.mark.unit
 def test_series_has_why_lines_and_dep3_fields():
-    from hpct.build.patches import lint_patch
+    from hpct.builder.patches import lint_patch
     files = _series_files()
     assert len(files) >= 4
     for p in files:

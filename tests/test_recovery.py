@@ -1,7 +1,7 @@
 """In-process recovery on the hpct backend: DDP training survives SIGKILLed ranks.
 
-The test plays the cluster agent (hpct.distributed.agent.Job): it starts 4 ranks of
-``python -m hpct.distributed.trainer``, SIGKILLs a rank while the others wait in the
+The test plays the cluster agent (hpct.demo.agent.Job): it starts 4 ranks of
+``python -m hpct.demo.trainer``, SIGKILLs a rank while the others wait in the
 gradient allreduce, and starts a replacement with the same rank and the next generation.
 Survivors must recover in the same process, and the final parameters must be
 bit-identical on every rank and to a run without faults.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpct.distributed.agent import Job, free_port_block, trainer_argv
+from hpct.demo.agent import Job, free_port_block, trainer_argv
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

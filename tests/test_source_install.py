@@ -37,9 +37,9 @@ def _hpct_build(*args: str, env: dict | None = None, timeout: float = 300) -> su
 @pytest.mark.unit
 def test_the_wheel_carries_the_series_its_extension_was_built_with():
     from hpct import _gloo
-    from hpct.build.layout import Layout
-    from hpct.build.patches import load_series
-    from hpct.build.sources import load_manifest
+    from hpct.builder.layout import Layout
+    from hpct.builder.patches import load_series
+    from hpct.builder.sources import load_manifest
     layout = Layout(INSTALLED_INPUTS)
     for name in ("gloo", "pytorch", "nccl"):
         assert (INSTALLED_INPUTS / "third_party" / f"{name}.toml").is_file(), name
@@ -127,8 +127,8 @@ def test_the_hpct_wheel_needs_its_sources(tmp_path):
 
 @pytest.mark.unit
 def test_gloo_has_a_provider_beside_debian():
-    from hpct.build.layout import Layout
-    from hpct.build.sources import load_manifest
+    from hpct.builder.layout import Layout
+    from hpct.builder.sources import load_manifest
     m = load_manifest(Layout(INSTALLED_INPUTS), "gloo")
     kinds = [p.kind for p in m.providers]
     assert kinds == ["debian", "url"]
@@ -141,8 +141,8 @@ def test_gloo_has_a_provider_beside_debian():
 
 @pytest.fixture(scope="module")
 def sdist(tmp_path_factory) -> Path:
-    from hpct.build.progress import Progress
-    from hpct.build.wheel import build_sdist
+    from hpct.builder.progress import Progress
+    from hpct.builder.wheel import build_sdist
     out = tmp_path_factory.mktemp("sdist")
     return build_sdist(REPO, out, out / "sdist.log", Progress(quiet=True))
 
@@ -166,7 +166,7 @@ def test_no_reachable_provider_stops_the_build_with_the_fix(sdist, tmp_path):
 
 def _venv_python() -> Path:
     """3.12 when this machine has it (what HyperPod runs), else this interpreter."""
-    from hpct.build.wheel import candidate_paths, probe
+    from hpct.builder.wheel import candidate_paths, probe
     for path in candidate_paths():
         it = probe(path)
         if it and it.minor == "3.12":

@@ -34,7 +34,7 @@ def _fake_python(tmp_path: Path, version: list[int], gil_disabled: bool = False)
 
 @pytest.mark.unit
 def test_all_finds_one_supported_cpython_per_minor_this_one_included():
-    from hpct.build.wheel import find_pythons
+    from hpct.builder.wheel import find_pythons
     from hpct.requirements import satisfies
     found = find_pythons(["all"], FLOOR)
     minors = [it.minor for it in found]
@@ -51,7 +51,7 @@ def test_all_from_a_venv_builds_for_the_venv_not_the_python_it_links_to(tmp_path
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
                    check=True, timeout=120)
-    code = ("import json; from hpct.build.wheel import find_pythons; "
+    code = ("import json; from hpct.builder.wheel import find_pythons; "
             f"print(json.dumps([str(it.path) for it in find_pythons(['all'], {FLOOR!r})]))")
     proc = subprocess.run([str(venv / "bin" / "python"), "-P", "-c", code], capture_output=True, text=True,
                           timeout=300, cwd=tmp_path)
@@ -61,7 +61,7 @@ def test_all_from_a_venv_builds_for_the_venv_not_the_python_it_links_to(tmp_path
 
 @pytest.mark.unit
 def test_a_python_below_the_floor_is_refused_naming_it(tmp_path):
-    from hpct.build.wheel import find_pythons
+    from hpct.builder.wheel import find_pythons
     from hpct.errors import ConfigError
     old = _fake_python(tmp_path, [3, 9, 18])
     with pytest.raises(ConfigError) as err:
@@ -71,7 +71,7 @@ def test_a_python_below_the_floor_is_refused_naming_it(tmp_path):
 
 @pytest.mark.unit
 def test_free_threaded_or_unrunnable_interpreters_are_refused(tmp_path):
-    from hpct.build.wheel import find_pythons
+    from hpct.builder.wheel import find_pythons
     from hpct.errors import ConfigError
     ft = _fake_python(tmp_path, [3, 13, 0], gil_disabled=True)
     for bad in (ft, tmp_path / "missing-python"):
@@ -82,7 +82,7 @@ def test_free_threaded_or_unrunnable_interpreters_are_refused(tmp_path):
 
 @pytest.mark.unit
 def test_a_version_not_on_this_machine_is_named():
-    from hpct.build.wheel import find_pythons
+    from hpct.builder.wheel import find_pythons
     from hpct.errors import ToolchainError
     with pytest.raises(ToolchainError) as err:
         find_pythons(["3.99"], FLOOR)
@@ -108,7 +108,7 @@ def test_python_and_sdist_are_hpct_wheel_options():
 def test_missing_repair_tools_are_named_with_the_install_command(monkeypatch, tmp_path):
     import importlib.util
 
-    from hpct.build import wheel
+    from hpct.builder import wheel
     from hpct.errors import ToolchainError
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "auditwheel" else real(name, *a))
@@ -123,8 +123,8 @@ def test_missing_repair_tools_are_named_with_the_install_command(monkeypatch, tm
 @pytest.mark.unit
 def test_auditwheel_refusal_names_the_too_new_symbol_versions(tmp_path):
     """A module that calls pthread_cond_clockwait plainly (glibc 2.30+) is not manylinux_2_28."""
-    from hpct.build import wheel
-    from hpct.build.progress import Progress
+    from hpct.builder import wheel
+    from hpct.builder.progress import Progress
     from hpct.errors import BuildError
     src = tmp_path / "m.c"
     src.write_text("#include <pthread.h>\n#include <time.h>\n"
@@ -154,7 +154,7 @@ def test_auditwheel_refusal_names_the_too_new_symbol_versions(tmp_path):
 # ---------------------------------------------------------------- every wheel, built and tested
 
 def _targets():
-    from hpct.build.wheel import find_pythons
+    from hpct.builder.wheel import find_pythons
     return find_pythons(["all"], FLOOR)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-ENTRY_POINTS = {"hpct-build": "hpct.build.cli", "hpct": "hpct.cli"}
+ENTRY_POINTS = {"hpct-build": "hpct.builder.cli", "hpct": "hpct.cli"}
 
 
 def run_cli(prog: str, *args: str, env: dict | None = None, timeout: float = 600,
@@ -37,7 +37,7 @@ def run_rank_script(tmp_path: Path, source: str, args: list[str], world: int, li
     local agent: ports from a free block, every process bounded by ``limit_s``); returns
     the exit codes by rank and each rank's output."""
     import time
-    from hpct.distributed.agent import Job, free_port_block
+    from hpct.demo.agent import Job, free_port_block
     script = tmp_path / "rank_script.py"
     script.write_text(source)
     job = Job([sys.executable, str(script), *args], world, free_port_block(8 * world), tmp_path,

@@ -111,4 +111,4 @@ class Job:
 
 
 def trainer_argv(out: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "hpct.distributed.trainer", "train", str(out), *args]
+    return [sys.executable, "-m", "hpct.demo.trainer", "train", str(out), *args]

@@ -10,7 +10,7 @@ from .builder import build_gloo
 from .nccl import build_nccl
 from .common import add_components, add_root, layout_of, manifests_of, progress_of
 
-RECIPES = {"gloo": build_gloo, "pytorch": None, "nccl": build_nccl}   # pytorch: hpct.build.pytorch
+RECIPES = {"gloo": build_gloo, "pytorch": None, "nccl": build_nccl}   # pytorch: hpct.builder.pytorch
 # option -> the components it applies to (any other component refuses it)
 SCOPED = {"dry_run": ("pytorch",), "json": ("pytorch",), "nccl": ("pytorch",),
           "cuda": ("pytorch", "nccl"), "cuda_arch": ("pytorch", "nccl"), "funcs": ("nccl",)}

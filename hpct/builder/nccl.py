@@ -1,7 +1,7 @@
 """Recipe: build the patched NCCL with its own makefiles against a pinned CUDA.
 
 ``hpct-build build nccl`` fetches (sha256-checked), applies the series, finds or
-assembles CUDA (hpct/build/cuda.py), runs ``make src.build`` with the object tree
+assembles CUDA (hpct/builder/cuda.py), runs ``make src.build`` with the object tree
 under ``third_party/build/nccl-<version>/obj`` and moves ``lib/`` and ``include/``
 into ``.../install`` only once the build succeeded, with a stamp
 (``hpct-series.json``) saying what was built and how.

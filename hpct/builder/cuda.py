@@ -174,7 +174,7 @@ def _headers(layout: Layout, cuda: str, key: str, folder: str, progress: Progres
     p = pins(cuda)
     if key not in p:
         raise ConfigError(f"no {key.replace('_', ' ')} are pinned for CUDA {cuda}",
-                          fix=f"use CUDA {DEFAULT_CUDA}, or add them to CUDA_PINS in hpct/build/cuda.py")
+                          fix=f"use CUDA {DEFAULT_CUDA}, or add them to CUDA_PINS in hpct/builder/cuda.py")
     dest = cache_dir(layout, cuda) / folder
     expected = {key: [list(w) for w in p[key]]}
     if _stamp_matches(dest, expected):

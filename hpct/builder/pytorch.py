@@ -251,7 +251,7 @@ def plan(layout: Layout, m: Manifest, *, cuda: bool = False, cuda_arch: str | No
     else:
         env["USE_NCCL"] = "0"
 
-    hpct_build = [python, "-m", "hpct.build"]
+    hpct_build = [python, "-m", "hpct.builder"]
     dist = out / "dist"
     steps = [
         Step("apply the pytorch series (third_party/patched)", hpct_build + ["patch", "pytorch", "--root", str(layout.root)]),

@@ -17,7 +17,7 @@ VERBS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli("hpct-build", __doc__.split(": ", 1)[1].strip(), "hpct.build", VERBS, argv)
+    return run_cli("hpct-build", __doc__.split(": ", 1)[1].strip(), "hpct.builder", VERBS, argv)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """One training rank for the recovery tests, the demo and the benchmark (python -m).
 
-    python -m hpct.distributed.trainer train OUT_DIR --steps S [--hang RANK:STEP:GEN ...] [--replacement]
+    python -m hpct.demo.trainer train OUT_DIR --steps S [--hang RANK:STEP:GEN ...] [--replacement]
 
 Configuration comes from the environment: RANK, WORLD_SIZE, N_PROC_PER_NODE,
 HPCT_PORT_BASE, HPCT_CONNECT_TIMEOUT, HPCT_GENERATION.  Every rank writes
