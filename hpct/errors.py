@@ -11,7 +11,7 @@ that.  The runtime branch:
 
 - ``CollectiveError``: an op of an hpct group failed (peer lost, aborted, timed out);
   the group is failed and ``hpct.distributed.recover()`` re-forms it.
-- ``ArgumentError``: a collective was called with arguments the backend refuses;
+- ``HpctArgumentError``: a collective was called with arguments the backend refuses;
   nothing was sent and the group is fine (also a ``ValueError``).
 - ``TransportError``: the base of the ``hpct._gloo`` extension's exception types
   (GlooError and its subclasses: AbortedError, PeerError, OpTimeoutError, ...), which
@@ -99,7 +99,7 @@ class CollectiveError(HpctError):
     exit_code = 12
 
 
-class ArgumentError(HpctError, ValueError):
+class HpctArgumentError(HpctError, ValueError):
     """A collective was called with arguments the hpct backend refuses; nothing was sent."""
 
     exit_code = 13

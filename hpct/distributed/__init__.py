@@ -9,7 +9,7 @@ Importing this module registers the ``hpct`` backend (CPU tensors) with
     torch.distributed.init_process_group("hpct", store=torch.distributed.HashStore(),
                                          rank=rank, world_size=world_size)
 
-After a failure (an op raised ``HpctError``), every survivor calls ``hd.recover()`` and a
+After a failure (an op raised ``CollectiveError``, an ``HpctError``), every survivor calls ``hd.recover()`` and a
 replacement process starts with the same RANK and ``HPCT_GENERATION`` set to the survivors'
 new generation; ``hd.broadcast_state(model, optimizer, src=hd.healthy_source(...))`` then
 re-synchronises the state.
@@ -17,18 +17,17 @@ re-synchronises the state.
 
 from __future__ import annotations
 
-from .backend import BACKEND_NAME, HpctProcessGroup
-from .checks import HpctArgumentError
-from .monitor import group_monitored_barrier as monitored_barrier
+from ..errors import CollectiveError, HpctArgumentError, HpctError
+from .group import BACKEND_NAME, HpctProcessGroup
 from .slots import PlaceholderStore
-from .work import HpctError, HpctWork
+from .work import HpctWork
 from .state import broadcast_object, broadcast_state, healthy_source
-from .world import (abort_all, generation, init_process_group, last_connect_seconds, live_groups,
-                    recover, register, shutdown_all)
+from .world import (abort_all, generation, group_monitored_barrier as monitored_barrier, init_process_group,
+                    last_connect_seconds, live_groups, recover, register, shutdown_all)
 
 register()
 
-__all__ = ["BACKEND_NAME", "HpctArgumentError", "HpctError", "HpctProcessGroup", "HpctWork",
+__all__ = ["BACKEND_NAME", "CollectiveError", "HpctArgumentError", "HpctError", "HpctProcessGroup", "HpctWork",
            "PlaceholderStore", "abort_all", "broadcast_object", "broadcast_state", "generation",
            "healthy_source", "init_process_group", "last_connect_seconds", "live_groups",
            "monitored_barrier", "recover", "shutdown_all"]

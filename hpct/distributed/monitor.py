@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from .work import HpctError
+from ..errors import CollectiveError
 
 ARRIVE_TAG = (1 << 30) + 17
 RELEASE_TAG = (1 << 30) + 18
@@ -30,19 +30,6 @@ def _seconds(timeout, pg) -> float:
     if isinstance(timeout, datetime.timedelta):
         return timeout.total_seconds()
     return float(timeout)
-
-
-def group_monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) -> None:
-    """``torch.distributed.monitored_barrier`` for an hpct group (default: the world)."""
-    import torch.distributed as dist
-
-    from .backend import HpctProcessGroup
-    pg = group if group is not None else dist.group.WORLD
-    if not isinstance(pg, HpctProcessGroup):
-        from .checks import fail
-        fail("monitored_barrier", f"{pg!r} is not an hpct group",
-             "call torch.distributed.monitored_barrier for a Gloo group")
-    monitored_barrier(pg, timeout, wait_all_ranks)
 
 
 def monitored_barrier(pg, timeout=None, wait_all_ranks: bool = False) -> None:
@@ -58,8 +45,8 @@ def monitored_barrier(pg, timeout=None, wait_all_ranks: bool = False) -> None:
         try:
             arrive.wait(datetime.timedelta(seconds=seconds))
             release.wait(datetime.timedelta(seconds=seconds))
-        except HpctError as err:
-            raise HpctError(f"hpct monitored_barrier: rank {rank} was not released by rank 0 within "
+        except CollectiveError as err:
+            raise CollectiveError(f"hpct monitored_barrier: rank {rank} was not released by rank 0 within "
                             f"{seconds:g} s (rank 0 found a rank missing, or is itself lost): {err}") from None
         return
     works = {r: pg.recv([torch.zeros(1, dtype=torch.uint8)], r, ARRIVE_TAG) for r in range(1, size)}
@@ -69,7 +56,7 @@ def monitored_barrier(pg, timeout=None, wait_all_ranks: bool = False) -> None:
         for r, w in list(pending.items()):
             if w.is_completed():           # starts the Work's own bounded waiter
                 if not w.is_success():
-                    raise HpctError(f"hpct monitored_barrier: waiting for rank {r} failed: {w.exception()}")
+                    raise CollectiveError(f"hpct monitored_barrier: waiting for rank {r} failed: {w.exception()}")
                 del pending[r]
         if pending:
             time.sleep(POLL_S)
@@ -81,6 +68,6 @@ def monitored_barrier(pg, timeout=None, wait_all_ranks: bool = False) -> None:
                  else f"Rank {missing[0]}")
         message = f"hpct monitored_barrier: {named} failed to pass monitoredBarrier in {ms} ms"
         pg.abort(message)        # a missing rank is a fault: peers fail now, not at their timeout
-        raise HpctError(message)
+        raise CollectiveError(message)
     for r in range(1, size):
         pg.send([token], r, RELEASE_TAG).wait(datetime.timedelta(seconds=seconds))

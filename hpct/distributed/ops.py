@@ -27,7 +27,7 @@ import ctypes
 import torch
 from torch.distributed import ReduceOp
 
-from .checks import HpctArgumentError
+from ..errors import HpctArgumentError
 
 NATIVE = {torch.float32: "float32", torch.float64: "float64",
           torch.int32: "int32", torch.int64: "int64"}
@@ -331,3 +331,19 @@ def sparse_allreduce(ctx, tensors: list[torch.Tensor]) -> torch.Tensor:
                          torch.empty((0,) + dense_shape, dtype=vals.dtype))
     return torch.sparse_coo_tensor(torch.cat(idx_parts, 1), torch.cat(val_parts, 0),
                                    local.shape).coalesce()
+
+
+def local_reduce(a: torch.Tensor, b: torch.Tensor, op) -> torch.Tensor:
+    """Reduce two local tensors (several tensors per rank are reduced before the wire)."""
+    name = op_name(op)
+    if name == "sum":
+        return a + b
+    if name == "product":
+        return a * b
+    if name == "min":
+        return torch.minimum(a, b)
+    if name == "max":
+        return torch.maximum(a, b)
+    if name == "avg":
+        raise ValueError("ReduceOp.AVG over several local tensors is not supported")
+    return BITWISE[name](a, b)

@@ -24,8 +24,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from ..errors import PortPlanError, RendezvousError
-from .work import HpctError
+from ..errors import CollectiveError, PortPlanError, RendezvousError
 
 SLOT_TAG_BASE = (1 << 30) + (1 << 24)     # above application tags and monitor.py's
 SLOT_TAG_SPAN = 1 << 20
@@ -85,7 +84,7 @@ def _agree(world, name, index, members, me, held_here, s, deadline_s) -> set[int
     try:
         for w in works:
             w.wait(datetime.timedelta(seconds=max(end - time.monotonic(), 0.001)))
-    except HpctError as err:
+    except CollectiveError as err:
         raise RendezvousError(
             f"group {name} (index {index}): members {members} could not agree on a port slot over the "
             f"world group within {deadline_s:g} s: {err}",

@@ -1,4 +1,4 @@
-"""Work objects of the hpct process group and its error type."""
+"""Work objects of the hpct process group."""
 
 from __future__ import annotations
 
@@ -8,13 +8,11 @@ import threading
 import torch.distributed as dist
 from torch.futures import Future
 
-
-class HpctError(RuntimeError):
-    """An hpct collective failed (peer lost, aborted, timed out); the message names the cause."""
+from ..errors import CollectiveError
 
 
 class HpctWork(dist.Work):
-    """A Work whose wait() raises HpctError when the op failed (and honours a timeout).
+    """A Work whose wait() raises CollectiveError when the op failed (and honours a timeout).
 
     torch's FutureWrappingWork (``_create_work_from_future``) returns from wait() even when
     its future holds an error, so the group keeps its own Work type.
@@ -31,10 +29,10 @@ class HpctWork(dist.Work):
             done = threading.Event()
             self._raw.add_done_callback(lambda _: done.set())
             if not done.wait(seconds):
-                raise HpctError(f"hpct op did not complete within {seconds:g} s (Work.wait timeout)")
+                raise CollectiveError(f"hpct op did not complete within {seconds:g} s (Work.wait timeout)")
         ok, value = self._raw.wait()
         if not ok:
-            raise HpctError(value)
+            raise CollectiveError(value)
         return True
 
     def get_future(self):
@@ -48,7 +46,7 @@ class HpctWork(dist.Work):
 
     def exception(self):
         if self._raw.done() and not self._raw.value()[0]:
-            return HpctError(self._raw.value()[1])
+            return CollectiveError(self._raw.value()[1])
         return None
 
     def result(self):
@@ -62,7 +60,7 @@ class HpctWork(dist.Work):
 def _unpack(raw):
     ok, value = raw.value()
     if not ok:
-        raise HpctError(value)
+        raise CollectiveError(value)
     return value
 
 

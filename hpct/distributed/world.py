@@ -33,8 +33,9 @@ from .. import _gloo
 from ..config import Config
 from ..errors import ConfigError, PortPlanError, RendezvousError
 from ..ports import host_of, port_of
-from . import slots
-from .backend import BACKEND_NAME, HpctProcessGroup
+from . import checks, slots
+from .group import BACKEND_NAME, HpctProcessGroup
+from .monitor import monitored_barrier as _monitored_barrier
 from .slots import PlaceholderStore
 
 _LOCK = threading.RLock()
@@ -285,6 +286,15 @@ def recover(world_size: int | None = None, rank: int | None = None, *, generatio
         generation = max(target, newest)
     new_gen = generation
     return init_process_group(rank, world_size, timeout=timeout, config=cfg, generation=new_gen)
+
+
+def group_monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) -> None:
+    """``torch.distributed.monitored_barrier`` for an hpct group (default: the world)."""
+    pg = group if group is not None else dist.group.WORLD
+    if not isinstance(pg, HpctProcessGroup):
+        checks.fail("monitored_barrier", f"{pg!r} is not an hpct group",
+                    "call torch.distributed.monitored_barrier for a Gloo group")
+    _monitored_barrier(pg, timeout, wait_all_ranks)
 
 
 def last_connect_seconds() -> float | None:
