@@ -307,16 +307,8 @@ class HpctProcessGroup(dist.ProcessGroup):
             input_tensors = [input_tensors]
             output_tensors = [output_tensors] if output_tensors else []
             opts, root = None, (opts if root is None else root)
-        opts = opts if opts is not None else GatherOptions()
-        if root is not None:
-            opts.rootRank = root
-        root = opts.rootRank
-        checks.root_rank("gather", root, self._size)
-        checks.single("gather", input_tensors, "input tensor list")
-        engine = self._engine("gather", input_tensors)
-        checks.dense("gather", input_tensors)
-        inp = input_tensors[0]
-        outs = checks.root_list("gather", output_tensors, self._rank, root, self._size, inp, "output")
+        engine, root, inp, outs = self._rooted("gather", input_tensors, output_tensors, opts if opts is not None else GatherOptions(),
+                                               root, local="input", rooted="output")
         return engine.gather(outs, inp, root)
 
     def scatter(self, output_tensors, input_tensors, opts=None, root=None):
@@ -324,17 +316,20 @@ class HpctProcessGroup(dist.ProcessGroup):
             output_tensors = [output_tensors]
             input_tensors = [input_tensors] if input_tensors else []
             opts, root = None, (opts if root is None else root)
-        opts = opts if opts is not None else ScatterOptions()
+        engine, root, out, ins = self._rooted("scatter", output_tensors, input_tensors, opts if opts is not None else ScatterOptions(),
+                                              root, local="output", rooted="input")
+        return engine.scatter(out, ins, root)
+
+    def _rooted(self, op, mine, lists, opts, root, *, local, rooted):
+        """gather/scatter: the engine, the root, this rank's tensor and the root's list (None elsewhere)."""
         if root is not None:
             opts.rootRank = root
         root = opts.rootRank
-        checks.root_rank("scatter", root, self._size)
-        checks.single("scatter", output_tensors, "output tensor list")
-        engine = self._engine("scatter", output_tensors)
-        checks.dense("scatter", output_tensors)
-        out = output_tensors[0]
-        ins = checks.root_list("scatter", input_tensors, self._rank, root, self._size, out, "input")
-        return engine.scatter(out, ins, root)
+        checks.root_rank(op, root, self._size)
+        checks.single(op, mine, f"{local} tensor list")
+        engine = self._engine(op, mine)
+        checks.dense(op, mine)
+        return engine, root, mine[0], checks.root_list(op, lists, self._rank, root, self._size, mine[0], rooted)
 
     def barrier(self, opts=None):
         return self._engines["cpu"].barrier()
