@@ -307,8 +307,8 @@ class HpctProcessGroup(dist.ProcessGroup):
             input_tensors = [input_tensors]
             output_tensors = [output_tensors] if output_tensors else []
             opts, root = None, (opts if root is None else root)
-        engine, root, inp, outs = self._rooted("gather", input_tensors, output_tensors, opts if opts is not None else GatherOptions(),
-                                               root, local="input", rooted="output")
+        engine, root, inp, outs = self._rooted("gather", input_tensors, output_tensors, opts, root,
+                                               GatherOptions, local="input", rooted="output")
         return engine.gather(outs, inp, root)
 
     def scatter(self, output_tensors, input_tensors, opts=None, root=None):
@@ -316,12 +316,13 @@ class HpctProcessGroup(dist.ProcessGroup):
             output_tensors = [output_tensors]
             input_tensors = [input_tensors] if input_tensors else []
             opts, root = None, (opts if root is None else root)
-        engine, root, out, ins = self._rooted("scatter", output_tensors, input_tensors, opts if opts is not None else ScatterOptions(),
-                                              root, local="output", rooted="input")
+        engine, root, out, ins = self._rooted("scatter", output_tensors, input_tensors, opts, root,
+                                              ScatterOptions, local="output", rooted="input")
         return engine.scatter(out, ins, root)
 
-    def _rooted(self, op, mine, lists, opts, root, *, local, rooted):
+    def _rooted(self, op, mine, lists, opts, root, options, *, local, rooted):
         """gather/scatter: the engine, the root, this rank's tensor and the root's list (None elsewhere)."""
+        opts = opts if opts is not None else options()
         if root is not None:
             opts.rootRank = root
         root = opts.rootRank
