@@ -280,3 +280,17 @@ def test_patched_library_has_the_rootless_calls(patched_nccl):
     assert len(a) == 128 and a == lib.rootless_unique_id(spec, 2)
     assert a != lib.rootless_unique_id(nccl_lib.RootlessSpec("127.0.0.1:15016", "127.0.0.1:15017", 99, 3, 0,
                                                              1000), 2)
+
+
+# ---------------------------------------------------------------- ci/gpu.sh's CPU-side preflight
+def test_gpu_script_preflight_refuses_without_a_cuda_device():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: run ci/gpu.sh itself")
+    done = subprocess.run(["bash", str(REPO / "ci" / "gpu.sh"), "--preflight"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHON": sys.executable})
+    assert done.returncode == 3, done.stderr
+    assert ("is a CPU build: no CUDA device can be used" in done.stderr
+            or "no CUDA device is visible" in done.stderr), done.stderr
+    bad = subprocess.run(["bash", str(REPO / "ci" / "gpu.sh"), "--bogus"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "unknown argument '--bogus'" in bad.stderr
