@@ -411,13 +411,104 @@ def check_free_ports(probe: Probe, config, plan) -> Row:
                f"with HPCT_PORT_BASE")
 
 
+def _series_near(lib: str) -> str | None:
+    """The hpct series id recorded beside a libnccl: nvidia/nccl/hpct-series.json of hpct's wheel
+    (lib/../hpct-series.json) or <install>/hpct-series.json of a built tree."""
+    here = Path(lib).resolve().parent
+    for cand in (here.parent / "hpct-series.json", here / "hpct-series.json"):
+        try:
+            return str(json.loads(cand.read_text()).get("series_id") or "") or None
+        except (OSError, ValueError, AttributeError):
+            continue
+    return None
+
+
+def torch_nccl_pin(torch) -> str | None:
+    """The NCCL version torch's wheel requires (Requires-Dist nvidia-nccl-cuXX==V), if any."""
+    import re
+    try:
+        reqs = importlib.metadata.requires("torch") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for req in reqs:
+        m = re.match(r"nvidia-nccl-cu\d+\s*==\s*([0-9.]+)", req.replace("_", "-"))
+        if m:
+            return m.group(1)
+    return None
+
+
+def check_nccl_for_hpct(probe: Probe, torch) -> Row:
+    """Which libnccl torch loads and which one hpct's CUDA half uses (nccl_lib's rule)."""
+    from .distributed import nccl_lib
+    cuda = getattr(getattr(torch, "version", None), "cuda", None) if torch is not None else None
+    if probe.nccl_paths is not None:
+        torch_lib = probe.nccl_paths[0] if probe.nccl_paths else None
+    else:
+        torch_lib = nccl_lib.torch_loaded_libnccl() or next((p for p, _ in find_libnccl(probe)), None)
+
+    def facts(path):
+        if not path:
+            return None
+        try:
+            r = probe_libnccl(path)
+        except Exception as err:   # noqa: BLE001 -- reported as the library's state
+            return {"path": path, "error": str(err)}
+        if r.get("rc"):
+            return {"path": path, "error": f"ncclGetVersion returned error {r['rc']}"}
+        return {"path": path, "version": nccl_version_text(r["code"]), "patched": bool(r["rootless"]),
+                "series_id": _series_near(path)}
+
+    t = facts(torch_lib)
+    explicit = probe.env.get(nccl_lib.LIBRARY_VAR, "")
+    if t and t.get("patched"):
+        hpct_lib, how = torch_lib, "the one torch loads"
+    elif explicit:
+        hpct_lib, how = explicit, nccl_lib.LIBRARY_VAR
+    elif torch_lib:
+        hpct_lib, how = torch_lib, "the one torch loads"
+    else:
+        wheels = nccl_lib.wheel_candidates(probe.sys_path)
+        hpct_lib, how = (wheels[0], "nvidia-nccl wheel") if wheels else (None, "none")
+    h = facts(hpct_lib) if hpct_lib != torch_lib else (dict(t) if t else None)
+    pin = torch_nccl_pin(torch) if probe.nccl_paths is None else None
+    if h is not None:
+        h["how"] = how
+        h["matches_torch_pin"] = None if pin is None or "version" not in h else h["version"] == pin
+    data = {"torch": t, "hpct": h, "torch_pin": pin}
+
+    def describe(f):
+        if f is None:
+            return "none"
+        if "error" in f:
+            return f"{f['path']}: {f['error']}"
+        kind = f"hpct series {f['series_id']}" if f.get("series_id") else ("patched" if f["patched"] else "stock")
+        return f"{f['path']} (NCCL {f['version']}, {kind})"
+
+    detail = f"torch: {describe(t)}; hpct: {describe(h)}" + (f" via {how}" if h else "")
+    if h is not None and h.get("matches_torch_pin") is not None:
+        detail += f"; torch pins {pin}: {'matches' if h['matches_torch_pin'] else 'differs (new functions only, same ABI)'}"
+    if h is None:
+        status, fix = ("info" if not cuda else "warn"), nccl_lib.ROOTLESS_FIX
+    elif "error" in h:
+        status, fix = ("warn" if not cuda else "fail"), f"point {nccl_lib.LIBRARY_VAR} at a working libnccl.so.2"
+    elif h["patched"]:
+        status, fix = "ok", None
+    else:
+        status, fix = ("info" if not cuda else "warn"), nccl_lib.ROOTLESS_FIX
+        detail += " (no ncclCommInitRankRootless: hpct's CUDA groups cannot start)"
+    row = Row("nccl for hpct", status, detail, fix)
+    row.data = data
+    return row
+
+
 def run_checks(probe: Probe | None = None) -> list[Row]:
     from .ports import PortPlan
     probe = Probe() if probe is None else probe
     torch_row, torch = check_torch(probe)
     config_row, config = check_config(probe)
     rows = [check_python(probe), torch_row, check_dependencies(probe), *check_extension(probe), check_torch_backends(probe, torch),
-            check_c10d_patches(torch), check_nccl(probe, torch, config), *check_nccl_wheel(probe), config_row]
+            check_c10d_patches(torch), check_nccl(probe, torch, config), check_nccl_for_hpct(probe, torch),
+            *check_nccl_wheel(probe), config_row]
     if config is None:
         rows += [Row("kernel port ranges", "skip", "the configuration is invalid"),
                  Row("free ports", "skip", "the configuration is invalid")]
@@ -444,4 +535,10 @@ def render_table(rows: Sequence[Row]) -> str:
 
 
 def as_json(rows: Sequence[Row]) -> dict:
-    return {"ok": not failures(rows), "checks": [asdict(r) for r in rows]}
+    """``{"ok", "checks"}``, plus ``"nccl"`` (torch's and hpct's libnccl: path, version, patched,
+    series_id, how, matches_torch_pin) when the rows include the NCCL check; fields only added."""
+    doc = {"ok": not failures(rows), "checks": [asdict(r) for r in rows]}
+    nccl = next((getattr(r, "data", None) for r in rows if r.check == "nccl for hpct"), None)
+    if nccl is not None:
+        doc["nccl"] = nccl
+    return doc

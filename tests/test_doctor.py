@@ -155,7 +155,8 @@ def test_good_node_passes_every_row(good):
     rows = run_checks(good)
     assert [r.check for r in rows] == ["python", "pytorch", "dependencies", "hpct extension", "gloo series",
                                       "torch backends",
-                                      "c10d patches", "libnccl", "configuration", "kernel port ranges",
+                                      "c10d patches", "libnccl", "nccl for hpct", "configuration",
+                                      "kernel port ranges",
                                       "free ports"]
     assert {r.check: r.status for r in rows} == {r.check: "ok" for r in rows}, doctor.render_table(rows)
     by = rows_by_name(rows)
@@ -507,3 +508,55 @@ def test_a_libnccl_that_cannot_load_is_read_from_its_symbol_table(good, tmp_path
     assert row.status == "fail"
     assert row.detail.startswith(f"loading {lib} failed: OSError: libhpctdep.so")
     assert row.detail.endswith("; its symbol table exports ncclCommInitRankRootless")
+
+
+# ---------------------------------------------------------------- which libnccl hpct's CUDA half uses
+@pytest.mark.unit
+def test_nccl_for_hpct_uses_torchs_patched_library(good, rootless_nccl):
+    row = doctor.check_nccl_for_hpct(good, fake_torch())
+    assert row.status == "ok", row
+    assert row.detail == (f"torch: {rootless_nccl} (NCCL 2.21.5, patched); hpct: {rootless_nccl} "
+                          "(NCCL 2.21.5, patched) via the one torch loads")
+    doc = doctor.as_json([row])
+    assert doc["nccl"]["hpct"] == {"path": rootless_nccl, "version": "2.21.5", "patched": True,
+                                   "series_id": None, "how": "the one torch loads", "matches_torch_pin": None}
+
+
+@pytest.mark.unit
+def test_nccl_for_hpct_stock_torch_library_falls_back_to_the_variable(good, real_nccl, rootless_nccl, tmp_path):
+    # torch loads NVIDIA's build; HPCT_NCCL_LIBRARY names hpct's, with its series record beside it
+    (Path(rootless_nccl).parent / "hpct-series.json").write_text(json.dumps({"series_id": "n7"}))
+    probe = with_(good, nccl_paths=[real_nccl], env={**good.env, "HPCT_NCCL_LIBRARY": rootless_nccl})
+    row = doctor.check_nccl_for_hpct(probe, fake_torch())
+    assert row.status == "ok"
+    assert row.detail == (f"torch: {real_nccl} (NCCL 2.21.5, stock); hpct: {rootless_nccl} "
+                          "(NCCL 2.21.5, hpct series n7) via HPCT_NCCL_LIBRARY")
+    assert row.data["torch"]["patched"] is False and row.data["hpct"]["series_id"] == "n7"
+
+
+@pytest.mark.unit
+def test_nccl_for_hpct_stock_only_warns_with_the_fix(good, real_nccl):
+    probe = with_(good, nccl_paths=[real_nccl])
+    row = doctor.check_nccl_for_hpct(probe, fake_torch())
+    assert row.status == "warn"
+    assert row.detail.endswith("(no ncclCommInitRankRootless: hpct's CUDA groups cannot start)")
+    assert "hpct-build wheel nccl" in row.fix and "HPCT_NCCL_LIBRARY" in row.fix
+    assert doctor.check_nccl_for_hpct(probe, fake_torch(cuda=None)).status == "info"
+
+
+@pytest.mark.unit
+def test_nccl_for_hpct_bad_variable_fails_on_cuda(good, real_nccl, tmp_path):
+    missing = str(tmp_path / "no" / "libnccl.so.2")
+    probe = with_(good, nccl_paths=[real_nccl], env={**good.env, "HPCT_NCCL_LIBRARY": missing})
+    row = doctor.check_nccl_for_hpct(probe, fake_torch())
+    assert row.status == "fail" and f"hpct: {missing}: " in row.detail
+    assert row.fix == "point HPCT_NCCL_LIBRARY at a working libnccl.so.2"
+
+
+@pytest.mark.unit
+def test_live_doctor_json_has_the_nccl_fields():
+    proc = run_cli("hpct", "doctor", "--json", timeout=180,
+                   env={k: "" for k in os.environ if k.startswith("HPCT_")})
+    doc = json.loads(proc.stdout)
+    assert doc["schema_version"] == 1 and set(doc["nccl"]) == {"torch", "hpct", "torch_pin"}
+    assert "nccl for hpct" in [c["check"] for c in doc["checks"]]

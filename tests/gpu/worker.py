@@ -1,0 +1,109 @@
+"""One rank of tests/gpu: the engine (rootless NCCL through ctypes) against stock ProcessGroupNCCL."""
+
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from hpct.config import Config
+from hpct.distributed.nccl_engine import engine_for_group
+
+rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+torch.cuda.set_device(0)
+dev = torch.device("cuda", 0)
+mode = os.environ["GPU_PROOF_MODE"]
+R = dist.ReduceOp
+
+# stock reference: TCPStore + root
+t0 = time.perf_counter()
+dist.init_process_group("nccl", rank=rank, world_size=n, timeout=datetime.timedelta(seconds=60), device_id=dev)
+dist.barrier()
+torch.cuda.synchronize()
+stock_start = time.perf_counter() - t0
+
+cfg = Config.from_mapping({k: v for k, v in os.environ.items()
+                           if k in ("N_PROC_PER_NODE", "HPCT_PORT_BASE", "LOCAL_WORLD_SIZE")})
+eng = engine_for_group(cfg, name="0", index=0, slot=0, group_rank=rank, global_ranks=list(range(n)),
+                       generation=0, op_timeout=60.0)
+t0 = time.perf_counter()
+eng.barrier().wait()
+hpct_start = time.perf_counter() - t0
+
+
+def same(a, b, what):
+    if not torch.equal(a, b):
+        sys.exit(f"rank {rank}: {what} differs from stock NCCL")
+
+
+if mode == "exact":
+    g = torch.Generator(device="cpu").manual_seed(1234 + rank)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
+        x = (torch.randn(1 << 16, generator=g) * 100).to(dtype).to(dev)
+        for op in (R.SUM, R.MAX, R.MIN) + ((R.AVG,) if dtype.is_floating_point else ()):
+            a, b = x.clone(), x.clone()
+            dist.all_reduce(a, op=op)
+            eng.allreduce([b], op).wait()
+            same(a, b, f"all_reduce {dtype} {op}")
+        a, b = x.clone(), x.clone()
+        dist.broadcast(a, src=n - 1)
+        eng.broadcast([b], n - 1).wait()
+        same(a, b, f"broadcast {dtype}")
+        outa = torch.empty(n * x.numel(), dtype=dtype, device=dev)
+        outb = torch.empty_like(outa)
+        dist.all_gather_into_tensor(outa, x)
+        eng.all_gather_single(outb, x).wait()
+        same(outa, outb, f"all_gather_into_tensor {dtype}")
+        la = [torch.empty_like(x) for _ in range(n)]
+        lb = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(la, x)
+        eng.allgather([lb], [x]).wait()
+        same(torch.stack(la), torch.stack(lb), f"all_gather {dtype}")
+        ra, rb = torch.empty(x.numel() // n, dtype=dtype, device=dev), torch.empty(x.numel() // n, dtype=dtype, device=dev)
+        dist.reduce_scatter_tensor(ra, x)
+        eng.reduce_scatter_single(rb, x, R.SUM).wait()
+        same(ra, rb, f"reduce_scatter_tensor {dtype}")
+        aa, ab = torch.empty_like(x), torch.empty_like(x)
+        dist.all_to_all_single(aa, x)
+        eng.all_to_all_single(ab, x, [], []).wait()
+        same(aa, ab, f"all_to_all_single {dtype}")
+        a, b = x.clone(), x.clone()
+        dist.reduce(a, dst=0)
+        eng.reduce(b, 0, R.SUM).wait()
+        if rank == 0:
+            same(a, b, f"reduce {dtype}")
+    # point to point as batch_isend_irecv does it: both directions, one NCCL group
+    peer_to, peer_from = (rank + 1) % n, (rank - 1) % n
+    s = torch.full((1 << 20,), float(rank), device=dev)
+    r = torch.empty_like(s)
+    ws = [eng.send([s], peer_to), eng.recv([r], peer_from)]
+    for w in ws:
+        w.wait(datetime.timedelta(seconds=60))
+    same(r, torch.full_like(r, float(peer_from)), "send/recv ring")
+    eng.barrier().wait()
+    print(f"EXACT OK rank {rank} start-up stock {stock_start:.3f}s hpct {hpct_start:.3f}s", flush=True)
+elif mode == "bandwidth":
+    lines = [f"BUSBW n={n}  size        stock GB/s   hpct GB/s   ratio"]
+    size = 1 << 20
+    while size <= 256 << 20:
+        x = torch.ones(size // 4, device=dev)
+        res = []
+        for fn in (lambda: dist.all_reduce(x), lambda: eng.allreduce([x], R.SUM).wait()):
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            iters = 10
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+            dt = (time.perf_counter() - t0) / iters
+            res.append(size / dt * 2 * (n - 1) / n / 1e9)
+        lines.append(f"BUSBW {size >> 20:5d} MiB  {res[0]:10.2f}  {res[1]:10.2f}  {res[1] / res[0]:6.2f}")
+        size <<= 2
+    if rank == 0:
+        print("\n".join(lines), flush=True)
+eng.shutdown(10.0)
+dist.destroy_process_group()
