@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hpct.config import Config
-from hpct.errors import ArgumentError, HpctError, TransportError
+from hpct.errors import HpctArgumentError, HpctError, TransportError
 from hpct.distributed import nccl_engine, nccl_lib
 from util import REPO
 
@@ -160,12 +160,12 @@ def test_dtype_mapping(dtype, code):
 
 
 def test_dtype_mapping_errors():
-    with pytest.raises(ArgumentError, match=r"NCCL has no data type for torch.complex64") as info:
+    with pytest.raises(HpctArgumentError, match=r"NCCL has no data type for torch.complex64") as info:
         nccl_lib.nccl_dtype(torch.complex64)
     assert "view_as_real" in info.value.fix
-    with pytest.raises(ArgumentError, match="NCCL has no data type for torch.int16"):
+    with pytest.raises(HpctArgumentError, match="NCCL has no data type for torch.int16"):
         nccl_lib.nccl_dtype(torch.int16)
-    with pytest.raises(ArgumentError, match=r"torch.float8_e4m3fn needs NCCL 2.19 or newer \(this libnccl is 2.18.3\)"):
+    with pytest.raises(HpctArgumentError, match=r"torch.float8_e4m3fn needs NCCL 2.19 or newer \(this libnccl is 2.18.3\)"):
         nccl_lib.nccl_dtype(torch.float8_e4m3fn, 21803)
 
 
@@ -174,10 +174,10 @@ def test_reduce_op_mapping():
     assert [nccl_lib.nccl_op(op) for op in (R.SUM, R.PRODUCT, R.MAX, R.MIN, R.AVG)] == [0, 1, 2, 3, 4]
     # bool as ProcessGroupNCCL: sum is "any" (max), product is "all" (min)
     assert nccl_lib.nccl_op(R.SUM, torch.bool) == 2 and nccl_lib.nccl_op(R.PRODUCT, torch.bool) == 3
-    with pytest.raises(ArgumentError, match="ReduceOp.AVG is not supported for torch.bool"):
+    with pytest.raises(HpctArgumentError, match="ReduceOp.AVG is not supported for torch.bool"):
         nccl_lib.nccl_op(R.AVG, torch.bool)
     for op in (R.BAND, R.BOR, R.BXOR):
-        with pytest.raises(ArgumentError, match=r"Cannot use ReduceOp\.B(AND|OR|XOR) with NCCL"):
+        with pytest.raises(HpctArgumentError, match=r"Cannot use ReduceOp\.B(AND|OR|XOR) with NCCL"):
             nccl_lib.nccl_op(op)
 
 
@@ -188,11 +188,11 @@ def test_rootless_spec_checks_its_fields():
     assert (info.listenAddr, info.nextAddr, info.jobKey, info.generation, info.groupIndex) == \
         (b"10.0.0.1:12008", b"[fe80::1]:12009", 2 ** 64 - 1, 3, 1)
     assert info.connectTimeoutMs == 2 ** 31 - 1 and info.size == 48
-    with pytest.raises(ArgumentError, match="listen_addr='10.0.0.1' is not a host:port address"):
+    with pytest.raises(HpctArgumentError, match="listen_addr='10.0.0.1' is not a host:port address"):
         nccl_lib.RootlessSpec(**{**good, "listen_addr": "10.0.0.1"}).info()
-    with pytest.raises(ArgumentError, match="job key -1 does not fit 64 bits"):
+    with pytest.raises(HpctArgumentError, match="job key -1 does not fit 64 bits"):
         nccl_lib.RootlessSpec(**{**good, "job_key": -1}).info()
-    with pytest.raises(ArgumentError, match="generation=4294967296 does not fit 32 bits"):
+    with pytest.raises(HpctArgumentError, match="generation=4294967296 does not fit 32 bits"):
         nccl_lib.RootlessSpec(**{**good, "generation": 2 ** 32}).info()
     assert nccl_lib.make_config(False).blocking == 0 and nccl_lib.make_config(False).magic == 0xCAFEBEEF
 
@@ -249,11 +249,11 @@ def test_engine_refuses_without_a_cuda_device():
 
 
 def test_engine_checks_its_arguments():
-    with pytest.raises(ArgumentError, match="listen address 127.0.0.1:1 is not addresses"):
+    with pytest.raises(HpctArgumentError, match="listen address 127.0.0.1:1 is not addresses"):
         nccl_engine.NcclEngine(rank=0, size=2, global_ranks=[0, 1], generation=0, group_index=0,
                                group_name="0", listen_addr="127.0.0.1:1", addresses=["a:1", "a:2"],
                                job_key=1, connect_timeout=1, op_timeout=1)
-    with pytest.raises(ArgumentError, match="rank 2, size 2"):
+    with pytest.raises(HpctArgumentError, match="rank 2, size 2"):
         nccl_engine.NcclEngine(rank=2, size=2, global_ranks=[0, 1], generation=0, group_index=0,
                                group_name="0", listen_addr="a:1", addresses=["a:1", "a:2"],
                                job_key=1, connect_timeout=1, op_timeout=1)

@@ -4,8 +4,9 @@ torch calls each collective with the list forms (``[tensor]``, ``[[outputs]]``) 
 forms its own ProcessGroup binds (``broadcast(tensor, root=0)``, ``allreduce(tensor, op)``,
 ...).  The facade normalises the call, checks its arguments as ProcessGroupGloo does
 (checks.py: refused at the call, nothing sent), picks the engine of the tensors' device
-type and hands it plain arguments; the engine returns the Work.  Today: ``cpu`` → the Gloo
-engine (gloo_engine.py).  Lifecycle (abort, shutdown, exit) is written once here, for
+type and hands it plain arguments; the engine returns the Work: ``cpu`` → the Gloo
+engine (gloo_engine.py), ``cuda`` → the NCCL engine (nccl_engine.py, attached by world.py
+when torch sees a CUDA device).  Lifecycle (abort, shutdown, exit) is written once here, for
 every engine; creation and recovery live in world.py.  docs/architecture.md draws it.
 """
 
@@ -133,8 +134,30 @@ class HpctProcessGroup(dist.ProcessGroup):
         return (f"hpct {what} failed on group {self.hpct_group_name} (rank {self._rank} of {self._size}, "
                 f"global rank {self.global_ranks[self._rank]}, generation {self.generation})")
 
-    def _engine(self, op: str, tensors):
-        return self._engines[checks.device(op, tensors, self._engines)]
+    def _engine(self, op: str, tensors, *, one_tensor: bool = False):
+        engine = self._engines[checks.device(op, tensors, self._engines)]
+        if one_tensor and engine.device_type != "cpu":
+            # Several tensors per rank are a Gloo form; ProcessGroupNCCL refuses them too.
+            checks.single(op, tensors, f"tensor list on {engine.device_type}")
+        return engine
+
+    def attach(self, engine) -> None:
+        """Serve another device type with ``engine`` (world.py attaches the CUDA engine)."""
+        self._engines[engine.device_type] = engine
+
+    # torch's _coalescing_manager(device=...) brackets ops this way; an engine that batches
+    # (NCCL: one group) takes the bracket, any other device keeps torch's own behaviour.
+    def _start_coalescing(self, device):
+        engine = self._engines.get(torch.device(device).type)
+        if not hasattr(engine, "start_coalescing"):
+            return super()._start_coalescing(device)
+        engine.start_coalescing()
+
+    def _end_coalescing(self, device):
+        engine = self._engines.get(torch.device(device).type)
+        if not hasattr(engine, "end_coalescing"):
+            return super()._end_coalescing(device)
+        return engine.end_coalescing()
 
     # ---- lifecycle ------------------------------------------------------------------------
     def abort(self, reason: str = "aborted by the application") -> None:
@@ -162,7 +185,7 @@ class HpctProcessGroup(dist.ProcessGroup):
         tensors = _as_list(tensors)
         op = _reduce_op(opts)
         checks.nonempty("allreduce", tensors)
-        engine = self._engine("allreduce", tensors)
+        engine = self._engine("allreduce", tensors, one_tensor=True)
         if tensors[0].layout == torch.sparse_coo:
             checks.sparse("allreduce", tensors, op)
             return engine.sparse_allreduce(tensors, op)
@@ -187,7 +210,7 @@ class HpctProcessGroup(dist.ProcessGroup):
             opts.rootRank = root
         checks.root_rank("broadcast", opts.rootRank, self._size)
         checks.root_tensor("broadcast", opts.rootTensor, len(tensors))
-        engine = self._engine("broadcast", tensors)
+        engine = self._engine("broadcast", tensors, one_tensor=True)
         checks.dense("broadcast", tensors)
         checks.like("broadcast", tensors, tensors[0])
         return engine.broadcast(tensors, opts.rootRank, opts.rootTensor)
@@ -215,7 +238,7 @@ class HpctProcessGroup(dist.ProcessGroup):
             output_tensors, input_tensors = [output_tensors], [input_tensors]
         checks.nonempty("allgather", input_tensors, "input tensor list")
         checks.allgather_lists("allgather", output_tensors, input_tensors, self._size)
-        engine = self._engine("allgather", input_tensors)
+        engine = self._engine("allgather", input_tensors, one_tensor=True)
         checks.dense("allgather", input_tensors)
         checks.like("allgather", input_tensors[1:], input_tensors[0], start=1)
         for outs in output_tensors:

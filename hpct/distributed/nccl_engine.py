@@ -41,7 +41,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import ArgumentError, CollectiveError
+from ..errors import HpctArgumentError, CollectiveError
 from . import nccl_lib
 from .nccl_lib import NoCudaDeviceError
 
@@ -228,10 +228,10 @@ class NcclEngine:
                  library: "nccl_lib.NcclLibrary | None" = None,
                  load: Callable[[], "nccl_lib.NcclLibrary"] | None = None):
         if not 0 <= rank < size or len(global_ranks) != size or len(addresses) != size:
-            raise ArgumentError(f"NcclEngine: rank {rank}, size {size}, {len(global_ranks)} global ranks, "
+            raise HpctArgumentError(f"NcclEngine: rank {rank}, size {size}, {len(global_ranks)} global ranks, "
                                 f"{len(addresses)} addresses do not agree", fix="pass one entry per group rank")
         if addresses[rank] != listen_addr:
-            raise ArgumentError(f"NcclEngine: listen address {listen_addr} is not addresses[{rank}] "
+            raise HpctArgumentError(f"NcclEngine: listen address {listen_addr} is not addresses[{rank}] "
                                 f"({addresses[rank]})", fix="derive both from the port plan")
         self.rank, self.size = rank, size
         self.global_ranks = list(global_ranks)
@@ -339,17 +339,17 @@ class NcclEngine:
                 f"{torch.__version__}, CUDA {torch.version.cuda or 'none'})",
                 fix="run on a GPU node with a CUDA build of torch, or keep the tensors on the CPU")
         if not tensors:
-            raise ArgumentError(f"hpct NCCL {what}: requires a non-empty tensor list", fix="pass a tensor")
+            raise HpctArgumentError(f"hpct NCCL {what}: requires a non-empty tensor list", fix="pass a tensor")
         dev = tensors[0].device
         for i, t in enumerate(tensors):
             if t.device.type != "cuda" or t.device != dev:
-                raise ArgumentError(f"hpct NCCL {what}: tensor {i} is on {t.device}, tensor 0 on {dev}",
+                raise HpctArgumentError(f"hpct NCCL {what}: tensor {i} is on {t.device}, tensor 0 on {dev}",
                                     fix="put every tensor of the op on the same CUDA device")
             if t.is_sparse:
-                raise ArgumentError(f"hpct NCCL {what}: sparse tensors are not supported with NCCL",
+                raise HpctArgumentError(f"hpct NCCL {what}: sparse tensors are not supported with NCCL",
                                     fix="use dense tensors")
         if self._device is not None and dev != self._device:
-            raise ArgumentError(f"hpct NCCL {what}: this group already uses {self._device}; one CUDA "
+            raise HpctArgumentError(f"hpct NCCL {what}: this group already uses {self._device}; one CUDA "
                                 f"device per process and group", fix="call torch.cuda.set_device once per rank")
         return dev
 
@@ -531,7 +531,7 @@ class NcclEngine:
     @staticmethod
     def _op(op, t: torch.Tensor) -> int:
         if t.is_complex() and getattr(op, "op", op) not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            raise ArgumentError(f"hpct NCCL: ReduceOp {op} is not defined for complex tensors",
+            raise HpctArgumentError(f"hpct NCCL: ReduceOp {op} is not defined for complex tensors",
                                 fix="reduce complex tensors with SUM or AVG")
         return nccl_lib.nccl_op(op, t.dtype)
 
@@ -722,7 +722,7 @@ class NcclEngine:
 
     def _p2p(self, what, tensors, peer: int, *, send: bool, defer: bool):
         if not 0 <= peer < self.size:
-            raise ArgumentError(f"hpct NCCL {what}: peer rank {peer} is outside the group of {self.size}",
+            raise HpctArgumentError(f"hpct NCCL {what}: peer rank {peer} is outside the group of {self.size}",
                                 fix=f"pass a group rank from 0 to {self.size - 1}")
         bufs = [_contig(t) for t in tensors]
         views = [_real(b) for b in bufs]
@@ -778,7 +778,7 @@ class NcclEngine:
     def _combined(self, works, result):
         """One Work over several ops launched in one NCCL group (they share the group's event)."""
         if not works:
-            raise ArgumentError("hpct NCCL: an empty op list", fix="pass at least one tensor")
+            raise HpctArgumentError("hpct NCCL: an empty op list", fix="pass at least one tensor")
         last = works[-1]
         combined = NcclWork(self, last.what, last.device, result)
         combined._keep = [t for w in works for t in w._keep]

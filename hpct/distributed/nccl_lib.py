@@ -18,7 +18,7 @@ Errors: every ncclResult_t other than ncclSuccess raises an ``NcclError`` subcla
 communicator is known, ncclGetLastError.  A library that cannot be used raises
 ``NcclLibraryError``; a stock library asked for the rootless call raises
 ``NcclRootlessMissingError`` naming the fix.  A dtype or reduce op NCCL cannot take raises
-``hpct.errors.ArgumentError``.
+``hpct.errors.HpctArgumentError``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from ..errors import ArgumentError, TransportError
+from ..errors import HpctArgumentError, TransportError
 
 LIBRARY_VAR = "HPCT_NCCL_LIBRARY"
 ROOTLESS_SYMBOL = "ncclCommInitRankRootless"
@@ -160,14 +160,14 @@ class RootlessSpec:
         for name in ("listen_addr", "next_addr"):
             value = getattr(self, name)
             if not value or ":" not in value:
-                raise ArgumentError(f"rootless NCCL: {name}={value!r} is not a host:port address",
+                raise HpctArgumentError(f"rootless NCCL: {name}={value!r} is not a host:port address",
                                     fix="give 'host:port' or '[v6]:port' from the port plan")
         if not 0 <= self.job_key < 2 ** 64:
-            raise ArgumentError(f"rootless NCCL: job key {self.job_key} does not fit 64 bits",
+            raise HpctArgumentError(f"rootless NCCL: job key {self.job_key} does not fit 64 bits",
                                 fix="derive it with nccl_engine.job_key()")
         for name in ("generation", "group_index"):
             if not 0 <= getattr(self, name) < 2 ** 32:
-                raise ArgumentError(f"rootless NCCL: {name}={getattr(self, name)} does not fit 32 bits",
+                raise HpctArgumentError(f"rootless NCCL: {name}={getattr(self, name)} does not fit 32 bits",
                                     fix="pass a non-negative 32-bit value")
         ms = max(1, min(int(self.connect_timeout_ms), 2 ** 31 - 1))
         return RootlessInfo(ctypes.sizeof(RootlessInfo), self.listen_addr.encode(),
@@ -335,7 +335,7 @@ class NcclLibrary:
         """
         self.require_rootless()
         if not 0 <= rank < nranks:
-            raise ArgumentError(f"rootless NCCL: rank {rank} is outside a communicator of {nranks}",
+            raise HpctArgumentError(f"rootless NCCL: rank {rank} is outside a communicator of {nranks}",
                                 fix="pass the group rank (0 <= rank < nranks)")
         info, config, comm = spec.info(), make_config(blocking), c_comm()
         rc = self.call(ROOTLESS_SYMBOL, ctypes.byref(comm), nranks, rank, ctypes.byref(info),
@@ -480,15 +480,15 @@ FLOAT8_MIN_VERSION = 21900
 
 
 def nccl_dtype(dtype, version: int = 0) -> int:
-    """ncclDataType_t of a torch dtype, or ArgumentError (complex: view it as real first)."""
+    """ncclDataType_t of a torch dtype, or HpctArgumentError (complex: view it as real first)."""
     name = str(dtype).removeprefix("torch.")
     code = _DTYPES.get(name)
     if code is None:
         hint = "view complex tensors as real (torch.view_as_real)" if "complex" in name else \
             "use a dtype NCCL supports: " + ", ".join(sorted(set(_DTYPES)))
-        raise ArgumentError(f"NCCL has no data type for {dtype}", fix=hint)
+        raise HpctArgumentError(f"NCCL has no data type for {dtype}", fix=hint)
     if code >= 10 and version and version < FLOAT8_MIN_VERSION:
-        raise ArgumentError(f"{dtype} needs NCCL 2.19 or newer (this libnccl is {version_text(version)})",
+        raise HpctArgumentError(f"{dtype} needs NCCL 2.19 or newer (this libnccl is {version_text(version)})",
                             fix="upgrade libnccl, or cast to bfloat16")
     return code
 
@@ -498,7 +498,7 @@ NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = 0, 1, 2, 3, 4
 
 
 def nccl_op(op, dtype=None) -> int:
-    """ncclRedOp_t of a torch ReduceOp (as ProcessGroupNCCL maps it), or ArgumentError."""
+    """ncclRedOp_t of a torch ReduceOp (as ProcessGroupNCCL maps it), or HpctArgumentError."""
     import torch.distributed as dist
     R = dist.ReduceOp
     kind = getattr(op, "op", op)
@@ -508,10 +508,10 @@ def nccl_op(op, dtype=None) -> int:
         if kind == known:
             if is_bool:   # bool travels as uint8: sum is "any", product is "all" (as ProcessGroupNCCL)
                 if code == NCCL_AVG:
-                    raise ArgumentError("ReduceOp.AVG is not supported for torch.bool tensors with NCCL",
+                    raise HpctArgumentError("ReduceOp.AVG is not supported for torch.bool tensors with NCCL",
                                         fix="reduce bool tensors with SUM, PRODUCT, MIN or MAX")
                 return {NCCL_SUM: NCCL_MAX, NCCL_PROD: NCCL_MIN}.get(code, code)
             return code
     label = getattr(kind, "name", None) or str(kind).rsplit(".", 1)[-1]
-    raise ArgumentError(f"Cannot use ReduceOp.{label} with NCCL (hpct backend)",
+    raise HpctArgumentError(f"Cannot use ReduceOp.{label} with NCCL (hpct backend)",
                         fix="use SUM, PRODUCT, MIN, MAX or AVG on CUDA tensors")

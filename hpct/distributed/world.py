@@ -26,6 +26,7 @@ import os
 import threading
 import time
 
+import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
@@ -155,6 +156,12 @@ def _create(dist_opts, backend_options=None):
             raise
     pg = HpctProcessGroup(ctx, group_name=name, group_index=index, global_ranks=global_ranks)
     pg.slot = slot
+    if _serves_cuda():
+        # Nothing touches the GPU or opens a socket here: the communicator forms rootlessly at
+        # the group's first CUDA op, on the same slot in the NCCL block.
+        from .nccl_engine import engine_for_group
+        pg.attach(engine_for_group(cfg, name=name, index=index, slot=slot, group_rank=group_rank,
+                                   global_ranks=global_ranks, generation=gen, op_timeout=timeout))
     pg.on_shutdown = _forget
     with _LOCK:
         _state.groups.append(pg)
@@ -173,9 +180,15 @@ def _forget(pg: HpctProcessGroup) -> None:
             _state.groups.remove(pg)
 
 
+def _serves_cuda() -> bool:
+    """Whether groups get a CUDA engine: torch was built with CUDA and sees a device."""
+    return torch.cuda.is_available()
+
+
 def register() -> None:
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+        devices = ["cpu", "cuda"] if _serves_cuda() else ["cpu"]
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=devices)
 
 
 def _disable_store_barrier() -> None:
