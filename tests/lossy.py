@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import subprocess
 import sys
 import time
@@ -45,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from netns import Namespace, _delete, _ip
+from netns import Namespace, hub_and_hosts
 
 FORWARDER = str(Path(__file__).resolve())
 READY_TIMEOUT_S = 20.0
@@ -85,54 +84,35 @@ def lossy_network(count: int, *, loss: float = 0.0, delay_ms: float = 0.0,
     between two hosts takes twice that).  ``drop_rst_from`` lists host indices whose
     TCP resets are all dropped.
     """
-    if not 1 <= count <= 250:
-        raise ValueError(f"count={count}: between 1 and 250 namespaces fit one /24")
     if not 0.0 <= loss < 1.0:
         raise ValueError(f"loss={loss}: a probability in [0, 1)")
     if not 0.0 <= delay_ms <= 10_000:
         raise ValueError(f"delay_ms={delay_ms}: between 0 and 10000")
-    tag = secrets.token_hex(4)
-    hub = f"{name_prefix}-hub-{tag}"
-    names = [f"{name_prefix}-{i}-{tag}" for i in range(count)]
-    made: list[str] = []
-    proc = None
-    stats_path = f"/tmp/{hub}.stats.json"
-    try:
-        for name in (hub, *names):
-            _ip("netns", "add", name)
-            made.append(name)
-            _ip("-n", name, "link", "set", "lo", "up")
-        nodes = []
-        ports = []
-        for i, name in enumerate(names):
-            _ip("-n", hub, "link", "add", f"h{i}", "type", "veth", "peer", "name", "eth0", "netns", name)
-            _ip("-n", hub, "link", "set", f"h{i}", "up")
-            address = f"{subnet}.{i + 1}"
-            _ip("-n", name, "addr", "add", f"{address}/24", "dev", "eth0")
-            _ip("-n", name, "link", "set", "eth0", "up")
-            nodes.append(Namespace(name, address))
-            ports.append(f"h{i}")
-        argv = ["ip", "netns", "exec", hub, sys.executable, FORWARDER,
-                "--ports", ",".join(ports), "--loss", repr(loss), "--delay-ms", repr(delay_ms),
-                "--stats", stats_path, "--max-seconds", repr(max_seconds),
-                "--parent", str(os.getpid())]
-        if drop_rst_from:
-            argv += ["--drop-rst-from", ",".join(nodes[i].address for i in drop_rst_from)]
-        if seed is not None:
-            argv += ["--seed", str(seed)]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                stdin=subprocess.DEVNULL, text=True, cwd="/")
-        _wait_ready(proc)
-        yield LossyNetwork(nodes, hub, loss, delay_ms, proc, stats_path)
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.communicate(timeout=10)
-        for name in reversed(made):
-            _delete(name)
-        with contextlib.suppress(OSError):
-            os.unlink(stats_path)
+    with hub_and_hosts(count, name_prefix, subnet) as (hub, nodes):
+        proc = None
+        stats_path = f"/tmp/{hub}.stats.json"
+        try:
+            ports = [f"h{i}" for i in range(len(nodes))]
+            argv = ["ip", "netns", "exec", hub, sys.executable, FORWARDER,
+                    "--ports", ",".join(ports), "--loss", repr(loss), "--delay-ms", repr(delay_ms),
+                    "--stats", stats_path, "--max-seconds", repr(max_seconds),
+                    "--parent", str(os.getpid())]
+            if drop_rst_from:
+                argv += ["--drop-rst-from", ",".join(nodes[i].address for i in drop_rst_from)]
+            if seed is not None:
+                argv += ["--seed", str(seed)]
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    stdin=subprocess.DEVNULL, text=True, cwd="/")
+            _wait_ready(proc)
+            yield LossyNetwork(nodes, hub, loss, delay_ms, proc, stats_path)
+        finally:
+            # The forwarder goes before its namespaces (hub_and_hosts deletes them).
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.communicate(timeout=10)
+            with contextlib.suppress(OSError):
+                os.unlink(stats_path)
 
 
 def _wait_ready(proc: subprocess.Popen) -> None:

@@ -119,12 +119,14 @@ def netns(name_prefix: str = "hpct-test") -> Iterator[Namespace]:
 
 
 @contextlib.contextmanager
-def netns_network(count: int, name_prefix: str = "hpct-test",
-                  subnet: str = "10.231.0") -> Iterator[list[Namespace]]:
-    """``count`` namespaces, each with eth0 at ``subnet.(i+1)/24``, joined by a bridge.
+def hub_and_hosts(count: int, name_prefix: str, subnet: str) -> Iterator[tuple[str, list[Namespace]]]:
+    """A hub namespace and ``count`` host namespaces, each host's eth0 at ``subnet.(i+1)/24``.
 
-    The bridge lives in an extra "hub" namespace rather than on the machine, so
-    deleting the namespaces removes every link and address this made.
+    The other end of host i's eth0 is the hub's ``h<i>`` (up, attached to nothing): the
+    caller joins them (a bridge in :func:`netns_network`, a forwarder in lossy.py).
+    Every name carries one random tag, so parallel runs never collide.  The hub holds
+    every link made, so deleting the namespaces (on exit, always) removes every link
+    and address this made.
     """
     if not 1 <= count <= 250:
         raise ValueError(f"count={count}: between 1 and 250 namespaces fit one /24")
@@ -137,18 +139,31 @@ def netns_network(count: int, name_prefix: str = "hpct-test",
             _ip("netns", "add", name)
             made.append(name)
             _ip("-n", name, "link", "set", "lo", "up")
-        _ip("-n", hub, "link", "add", "br0", "type", "bridge")
-        _ip("-n", hub, "link", "set", "br0", "up")
         nodes = []
         for i, name in enumerate(names):
             _ip("-n", hub, "link", "add", f"h{i}", "type", "veth", "peer", "name", "eth0", "netns", name)
-            _ip("-n", hub, "link", "set", f"h{i}", "master", "br0", "up")
+            _ip("-n", hub, "link", "set", f"h{i}", "up")
             address = f"{subnet}.{i + 1}"
             _ip("-n", name, "addr", "add", f"{address}/24", "dev", "eth0")
             _ip("-n", name, "link", "set", "eth0", "up")
             nodes.append(Namespace(name, address))
-        yield nodes
+        yield hub, nodes
     finally:
         for name in reversed(made):
             _delete(name)
 
+
+@contextlib.contextmanager
+def netns_network(count: int, name_prefix: str = "hpct-test",
+                  subnet: str = "10.231.0") -> Iterator[list[Namespace]]:
+    """``count`` namespaces, each with eth0 at ``subnet.(i+1)/24``, joined by a bridge.
+
+    The bridge lives in an extra "hub" namespace rather than on the machine, so
+    deleting the namespaces removes every link and address this made.
+    """
+    with hub_and_hosts(count, name_prefix, subnet) as (hub, nodes):
+        _ip("-n", hub, "link", "add", "br0", "type", "bridge")
+        _ip("-n", hub, "link", "set", "br0", "up")
+        for i in range(len(nodes)):
+            _ip("-n", hub, "link", "set", f"h{i}", "master", "br0")
+        yield nodes

@@ -38,7 +38,7 @@ from test_pytorch_patches import (  # noqa: F401  (fixtures are used by name)
     CACHE, GLOO_CONFIG, GLOO_PATCHED, MODULE, PATCHED, PRISTINE, SERIES_DIR, TORCH_INCLUDE, VECTORS,
     _error_names, changed_files, compile_env, fetch_extra_headers, fetch_torch_headers, patched_tree, rl,
 )
-from util import REPO
+from util import REPO, unguarded_calls
 
 C10D = "torch/csrc/distributed/c10d"
 NCCL_PATCHES = ("0008", "0009", "0010", "0011")
@@ -86,32 +86,10 @@ def test_the_patch_says_how_subgroups_and_pairs_form(patched_tree):
 
 def _hpct_calls_guarded(source: str) -> tuple[int, list[str]]:
     """Calls of hpct code in distributed_c10d, and those not behind HPCT_USE_ROOTLESS."""
-    tree = ast.parse(source)
-    unguarded, calls = [], 0
-
-    def guarded(stack):
-        for node in stack:
-            if isinstance(node, ast.FunctionDef) and node.name.startswith("_hpct"):
-                return True
-            if isinstance(node, (ast.If, ast.IfExp)) and "_hpct_rootless.enabled()" in ast.unparse(node.test):
-                return True
-            if isinstance(node, ast.If) and re.search(r"\brootless(_gloo)?\b", ast.unparse(node.test)):
-                return True
-        return False
-
-    def visit(node, stack):
-        nonlocal calls
-        if isinstance(node, ast.Call):
-            name = ast.unparse(node.func)
-            if name.startswith("_hpct_") and name != "_hpct_rootless.enabled":
-                calls += 1
-                if not guarded(stack):
-                    unguarded.append(f"line {node.lineno}: {name}")
-        for child in ast.iter_child_nodes(node):
-            visit(child, stack + [node])
-
-    visit(tree, [])
-    return calls, unguarded
+    def is_hpct(call: ast.Call) -> bool:
+        name = ast.unparse(call.func)
+        return name.startswith("_hpct_") and name != "_hpct_rootless.enabled"
+    return unguarded_calls(source, is_hpct)
 
 
 @pytest.mark.unit

@@ -30,7 +30,7 @@ import pytest
 
 from hpct.builder.sources import sha256_of
 from gloo_helpers import free_block
-from util import REPO, run_cli
+from util import REPO, run_cli, unguarded_calls
 
 VERSION = "2.6.0"
 SERIES_DIR = REPO / "patches" / "pytorch" / VERSION
@@ -128,40 +128,22 @@ def test_changed_python_modules_byte_compile(patched_tree, tmp_path):
         py_compile.compile(str(patched_tree / rel), cfile=str(tmp_path / "x.pyc"), doraise=True)
 
 
-def _guarded(stack: list[ast.AST]) -> bool:
-    for node in stack:
-        if isinstance(node, ast.FunctionDef) and node.name.startswith("_hpct"):
-            return True
-        if isinstance(node, (ast.If, ast.IfExp)):
-            src = ast.unparse(node.test)
-            if "_hpct_rootless.enabled()" in src or re.search(r"\brootless(_gloo)?\b", src):
-                return True
-    return False
+def _is_rootless_call(call: ast.Call) -> bool:
+    f = call.func
+    return (isinstance(f, ast.Attribute) and ast.unparse(f.value) == "_hpct_rootless"
+            and f.attr != "enabled") or ast.unparse(f).startswith(("_hpct_rootless_", "_hpct_gloo"))
 
 
 @pytest.mark.unit
 def test_every_rootless_call_in_c10d_is_behind_the_switch(patched_tree):
     """With HPCT_USE_ROOTLESS unset, distributed_c10d runs only stock code."""
-    tree = ast.parse((patched_tree / "torch/distributed/distributed_c10d.py").read_text())
-    unguarded, calls = [], 0
-
-    def visit(node, stack):
-        nonlocal calls
-        if isinstance(node, ast.Call):
-            f = node.func
-            name = ast.unparse(f)
-            rootless = (isinstance(f, ast.Attribute) and ast.unparse(f.value) == "_hpct_rootless"
-                        and f.attr != "enabled") or name.startswith(("_hpct_rootless_", "_hpct_gloo"))
-            if rootless:
-                calls += 1
-                if not _guarded(stack):
-                    unguarded.append(f"line {node.lineno}: {name}")
-        for child in ast.iter_child_nodes(node):
-            visit(child, stack + [node])
-
-    visit(tree, [])
+    calls, unguarded = unguarded_calls((patched_tree / "torch/distributed/distributed_c10d.py").read_text(),
+                                       _is_rootless_call)
     assert calls >= 10
     assert unguarded == []
+    # The check is real: an unguarded call is found.
+    _, bad = unguarded_calls("def f(pg):\n    _hpct_rootless.connect(pg)\n", _is_rootless_call)
+    assert bad == ["line 2: _hpct_rootless.connect"]
 
 
 # ------------------------------------------------------------ the port plan (shared vectors)

@@ -47,3 +47,38 @@ def run_rank_script(tmp_path: Path, source: str, args: list[str], world: int, li
         codes = job.wait_all()
         outputs = [job.output(r) for r in range(world)]
     return codes, outputs
+
+
+def rootless_guarded(stack: list) -> bool:
+    """True when one of ``stack`` (the AST nodes enclosing a call, outermost first) keeps
+    the call off stock code paths: an ``_hpct*`` function, a branch on
+    ``_hpct_rootless.enabled()``, or an ``if`` on a ``rootless``/``rootless_gloo`` flag."""
+    import ast
+    import re
+    for node in stack:
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("_hpct"):
+            return True
+        if isinstance(node, (ast.If, ast.IfExp)) and "_hpct_rootless.enabled()" in ast.unparse(node.test):
+            return True
+        if isinstance(node, ast.If) and re.search(r"\brootless(_gloo)?\b", ast.unparse(node.test)):
+            return True
+    return False
+
+
+def unguarded_calls(source: str, counted) -> tuple[int, list[str]]:
+    """Walk the calls in Python ``source`` that ``counted(call)`` (an ``ast.Call``) selects:
+    how many there are, and ``"line N: name"`` for each one not :func:`rootless_guarded`."""
+    import ast
+    unguarded, calls = [], 0
+
+    def visit(node, stack):
+        nonlocal calls
+        if isinstance(node, ast.Call) and counted(node):
+            calls += 1
+            if not rootless_guarded(stack):
+                unguarded.append(f"line {node.lineno}: {ast.unparse(node.func)}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, stack + [node])
+
+    visit(ast.parse(source), [])
+    return calls, unguarded

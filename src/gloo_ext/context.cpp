@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cerrno>
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -39,7 +40,7 @@ namespace hpct {
 namespace {
 
 // Python exception types (created once at import; never freed).
-PyObject* g_gloo_error = nullptr;           // GlooError(RuntimeError)
+PyObject* g_gloo_error = nullptr;           // GlooError(hpct.errors.TransportError)
 PyObject* g_aborted_error = nullptr;        // AbortedError(GlooError)
 PyObject* g_connect_timeout_error = nullptr;  // ConnectTimeoutError(GlooError, TimeoutError)
 PyObject* g_peer_error = nullptr;           // PeerError(GlooError, ConnectionError)
@@ -58,7 +59,24 @@ PyObject* make_exception(py::module_& m, const char* name, PyObject* bases, cons
   return type;
 }
 
-// Translate Gloo's C++ exceptions into the module's Python types.
+// Raise type(what) with one more attribute on the instance (a number the caller
+// acts on, so that it never has to parse the message).
+void set_error_with(PyObject* type, const char* what, const char* name, long value) {
+  PyObject* exc = PyObject_CallFunction(type, "s", what);
+  PyObject* number = PyLong_FromLong(value);
+  if (exc != nullptr && number != nullptr && PyObject_SetAttrString(exc, name, number) == 0) {
+    PyErr_SetObject(type, exc);
+  } else if (!PyErr_Occurred()) {
+    PyErr_SetString(type, what);
+  }
+  Py_XDECREF(number);
+  Py_XDECREF(exc);
+}
+
+// Translate Gloo's C++ exceptions into the module's Python types, by type and
+// error code only: the patched Gloo (patch 0017) throws TimeoutException for an op
+// timeout and BindException with the errno of a failed bind, so no message text is
+// read here.  Most derived types first.
 void translate(std::exception_ptr p) {
   try {
     if (p) {
@@ -70,33 +88,23 @@ void translate(std::exception_ptr p) {
     PyErr_SetString(g_connect_timeout_error, e.what());
   } catch (const gloo::StaleGenerationException& e) {
     // The peer's generation travels as an attribute, for a caller that rejoins there.
-    PyObject* exc = PyObject_CallFunction(g_stale_generation_error, "s", e.what());
-    PyObject* newer = PyLong_FromUnsignedLong(e.newerGeneration);
-    if (exc != nullptr && newer != nullptr &&
-        PyObject_SetAttrString(exc, "newer_generation", newer) == 0) {
-      PyErr_SetObject(g_stale_generation_error, exc);
-    } else if (!PyErr_Occurred()) {
-      PyErr_SetString(g_stale_generation_error, e.what());
-    }
-    Py_XDECREF(newer);
-    Py_XDECREF(exc);
+    set_error_with(g_stale_generation_error, e.what(), "newer_generation",
+                   static_cast<long>(e.newerGeneration));
+  } catch (const gloo::TimeoutException& e) {
+    PyErr_SetString(g_op_timeout_error, e.what());
   } catch (const gloo::IoException& e) {
-    const std::string what = e.what();
-    if (what.find("Timed out waiting") != std::string::npos ||
-        what.find("Application timeout") != std::string::npos) {
-      PyErr_SetString(g_op_timeout_error, e.what());
+    PyErr_SetString(g_peer_error, e.what());
+  } catch (const gloo::BindException& e) {
+    if (e.errnum == EADDRINUSE) {
+      // An OSError whose errno is set, as the socket module's would be.
+      set_error_with(g_address_in_use_error, e.what(), "errno", e.errnum);
     } else {
-      PyErr_SetString(g_peer_error, e.what());
+      PyErr_SetString(g_gloo_error, e.what());
     }
   } catch (const gloo::Exception& e) {
     PyErr_SetString(g_gloo_error, e.what());
   } catch (const gloo::EnforceNotMet& e) {
-    const std::string what = e.what();
-    if (what.find("Address already in use") != std::string::npos) {
-      PyErr_SetString(g_address_in_use_error, e.what());
-    } else {
-      PyErr_SetString(g_gloo_error, e.what());
-    }
+    PyErr_SetString(g_gloo_error, e.what());
   }
 }
 
@@ -736,9 +744,13 @@ class StorelessContext {
 }  // namespace
 
 void bind_context(py::module_& m) {
-  PyObject* runtime_error = PyExc_RuntimeError;
-  g_gloo_error = make_exception(m, "GlooError", runtime_error,
-                                "Base class of every error raised by hpct._gloo.");
+  // hpct has one exception hierarchy (hpct/errors.py): the extension's root joins it
+  // under TransportError (an HpctError, hence a RuntimeError as before).
+  py::object transport_error = py::module_::import("hpct.errors").attr("TransportError");
+  py::tuple gloo_bases = py::make_tuple(transport_error);
+  g_gloo_error = make_exception(m, "GlooError", gloo_bases.ptr(),
+                                "Base class of every error raised by hpct._gloo "
+                                "(an hpct.errors.TransportError).");
   g_aborted_error = make_exception(m, "AbortedError", g_gloo_error,
                                    "The context was aborted (Context.abort or close); "
                                    "the message carries the reason.");
@@ -760,13 +772,15 @@ void bind_context(py::module_& m) {
   {
     py::tuple bases = py::make_tuple(py::handle(g_peer_error), py::handle(PyExc_TimeoutError));
     g_op_timeout_error = make_exception(m, "OpTimeoutError", bases.ptr(),
-                                        "An operation did not complete within the op timeout.");
+                                        "An operation did not complete within the op timeout "
+                                        "(or a later op of the context that timeout failed).");
   }
   {
     py::tuple bases = py::make_tuple(py::handle(g_gloo_error), py::handle(PyExc_OSError));
     g_address_in_use_error = make_exception(
         m, "AddressInUseError", bases.ptr(),
-        "The listening port stayed in use for the whole bind retry window.");
+        "The listening port stayed in use for the whole bind retry window; errno is "
+        "errno.EADDRINUSE.");
   }
   g_stale_generation_error = make_exception(
       m, "StaleGenerationError", g_gloo_error,
