@@ -2,14 +2,31 @@
 # The whole test suite, from a fresh machine: set up, build and install the
 # wheel from this checkout (the tests exercise the installed package), build
 # Gloo's own tests, then run pytest.  Extra arguments go to pytest.
+# Each tier prints its duration (CI budget: the whole run under 60 minutes on 2 cores).
+# NCCL's tag tarballs come from HPCT_NCCL_SOURCES (a folder of nccl-<version>-1.tar.gz;
+# .ci/run sets it when ../shared/sources exists); without it the NCCL source tiers skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . ci/python.sh
 hpct_pick_python
+tier_start=$SECONDS
+tier() {  # tier NAME: print how long the previous tier took, then start NAME
+  local now=$SECONDS
+  [ -z "${tier_name:-}" ] || echo "ci/test.sh: tier '$tier_name' took $((now - tier_start)) s"
+  tier_name=$1; tier_start=$now
+  [ -z "$1" ] || echo "ci/test.sh: tier '$1' starts"
+}
+tier setup
 bash ci/setup.sh --tests
+tier build
 "$PYTHON" -m hpct.builder all
 "$PYTHON" -m hpct.builder build gloo --tests
 hpct_console_script hpct >/dev/null       # rehash pyenv's shims; note when hpct is off PATH
+tier pytest
 # -P keeps the checkout off sys.path (the tests exercise the installed wheel), and
 # the same interpreter that installed the wheel runs the tests.
-exec timeout --signal=INT --kill-after=60 80m "$PYTHON" -P -m pytest "$@"
+rc=0
+timeout --signal=INT --kill-after=60 80m "$PYTHON" -P -m pytest --durations=15 "$@" || rc=$?
+tier ""
+echo "ci/test.sh: total $SECONDS s"
+exit $rc

@@ -79,7 +79,7 @@ VARIABLES: tuple[Var, ...] = (
 # hpct/builder/main_fetch.py's HPCT_<COMPONENT>_SOURCE), accepted here so that an
 # environment that builds and runs hpct is not rejected as misspelled.
 FOREIGN_HPCT_NAMES = frozenset({"HPCT_GLOO_PREFIX", "HPCT_GLOO_SERIES_ID", "HPCT_GLOO_SOURCE",
-                                "HPCT_NCCL_SOURCE", "HPCT_PYTORCH_SOURCE"})
+                                "HPCT_NCCL_SOURCE", "HPCT_NCCL_SOURCES", "HPCT_PYTORCH_SOURCE"})
 KNOWN_HPCT_NAMES = frozenset(v.name for v in VARIABLES if v.name.startswith("HPCT_")) | FOREIGN_HPCT_NAMES
 
 

@@ -33,7 +33,7 @@ SERIES = "0123456789abcdef"
 VERSION = "2.21.5"
 # No network and no toolchain from the environment unless a test asks for one.
 OFFLINE = {"CUDA_HOME": "", "HTTPS_PROXY": "http://127.0.0.1:1", "https_proxy": "http://127.0.0.1:1",
-           "HPCT_NCCL_SOURCE": ""}
+           "HPCT_NCCL_SOURCE": "", "HPCT_NCCL_SOURCES": ""}
 SOURCE_HINT = ("set HPCT_NCCL_SOURCE=<nccl-2.21.5-1 tarball or tree> (or run `hpct-build fetch nccl "
                "--source PATH` in the checkout) to build the real NCCL")
 
@@ -47,10 +47,34 @@ def build(root: Path, *args: str, env: dict | None = None, timeout: float = 300)
 
 @pytest.mark.unit
 def test_unknown_cuda_version_names_the_known_ones(scratch_root):
-    proc = build(scratch_root, "--cuda", "13.0")
+    proc = build(scratch_root, "--cuda", "11.8")
     assert proc.returncode == 2, proc.stderr
-    assert "unknown CUDA version '13.0'" in proc.stderr
-    assert "fix: pass --cuda with one of: 12.4, 12.8" in proc.stderr
+    assert "unknown CUDA version '11.8'" in proc.stderr
+    assert "fix: pass --cuda with one of: 12.4, 12.8, 13.0" in proc.stderr
+
+
+@pytest.mark.unit
+def test_each_pin_builds_with_its_own_cuda_and_runpath():
+    from hpct.builder.layout import Layout
+    from hpct.builder.nccl import runpath_of
+    from hpct.builder.sources import load_manifest
+    old, new = (load_manifest(Layout(REPO), "nccl", v) for v in ("2.21.5", "2.30.7"))
+    assert (old.extra["cuda"], runpath_of(old)) == ("12.4", "$ORIGIN/../../cuda_runtime/lib")
+    assert (new.extra["cuda"], runpath_of(new)) == ("13.0", "$ORIGIN/../../cu13/lib")
+
+
+@pytest.mark.unit
+def test_the_glibc_floor_wraps_what_libnccl_needs_above_2_28():
+    from hpct.builder.nccl import GLIBC_FLOOR, glibc_floor_wraps, ldflags
+    wraps = glibc_floor_wraps(REPO / GLIBC_FLOOR)
+    # Measured on 2.30.7 built on glibc 2.36: GLIBC_2.34 pthread/sem/shm/dl*, 2.29 exp/log2,
+    # 2.33 stat, 2.32 __libc_single_threaded; libstdc++.a adds fstat64, arc4random, clockwait.
+    for name in ("pthread_create", "sem_timedwait", "shm_open", "dlopen", "exp", "log2", "stat",
+                 "__libc_single_threaded", "fstat64", "arc4random", "pthread_cond_clockwait", "__pthread_key_create"):
+        assert name in wraps, name
+    flags = ldflags("$ORIGIN/x", Path("/o/floor.o"), wraps)
+    assert flags.startswith("-Wl,-rpath,'$$ORIGIN/x' -static-libstdc++ -Wl,--wrap=")
+    assert flags.endswith(" /o/floor.o")
 
 
 @pytest.mark.unit

@@ -1,8 +1,10 @@
 """The rootless bootstrap ring of the NCCL series, built and run without NCCL's source.
 
-The ring core (``src/misc/hpct_ring.cc`` and ``src/include/hpct_ring.h``) is
-project-owned code that the NCCL series adds as new files.  These tests take it
-out of the patch itself, so what runs here is byte for byte what NCCL builds,
+The ring core (``src/nccl_rootless/hpct_ring.cc`` and ``hpct_ring.h`` in this
+repository) is project-owned code that hpct-build places into every pinned NCCL
+tree (2.21.5 and 2.30.7, as ``src/misc/hpct_ring.cc`` and
+``src/include/hpct_ring.h``) before the series.  These tests take it from where
+each pin's series takes it, so what runs here is byte for byte what NCCL builds,
 link it into ``tests/nccl/ring_harness.cc`` (one rank per process) and check
 the ring and the ring allgather NCCL runs next, on loopback and across network
 namespaces.
@@ -23,7 +25,7 @@ import pytest
 
 from hpct.builder.layout import Layout
 from hpct.builder.patches import extract_new_file, load_series
-from hpct.builder.sources import load_manifest
+from hpct.builder.sources import load_manifest, pinned_versions
 from hpct.config import Config
 from hpct.ports import PortPlan, free_port_block
 from netns import netns_network, unavailable_reason
@@ -44,6 +46,10 @@ def harness(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ring")
     for rel in ("src/include/hpct_ring.h", "src/misc/hpct_ring.cc"):
         extract_new_file(layout, m, rel, out)
+        # One file for every pin: each series places the same project file.
+        for version in pinned_versions(layout, "nccl"):
+            placed = dict(load_series(layout, load_manifest(layout, "nccl", version)).project_files)
+            assert placed[rel] == REPO / "src" / "nccl_rootless" / Path(rel).name, (version, rel)
     binary = out / "ring_harness"
     # -Werror with the warning flags NCCL builds with: the core must be clean there too.
     subprocess.run(["g++", "-std=c++11", "-O2", "-Wall", "-Wextra", "-Wvla", "-Werror", "-Wno-sign-compare",

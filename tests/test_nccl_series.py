@@ -1,4 +1,4 @@
-"""The NCCL 2.21.5 series: its form (no upstream line may enter the repository) and its safety net.
+"""The NCCL series (2.21.5 and 2.30.7): their form (no upstream line may enter the repository) and its safety net.
 
 Zero-context hunks are placed by line number alone, so what keeps them honest
 is elsewhere: the source is verified before patching (sha256 or tree digest)
@@ -20,28 +20,86 @@ from hpct.builder.layout import Layout
 from hpct.builder.patches import (TOUCHED_SHA256, Series, SeriesEntry, apply_series, extract_new_file,
                                 lint_insertion_only, lint_patch, load_series, new_files, touched_files)
 from hpct.builder.progress import Progress
-from hpct.builder.sources import load_manifest, sha256_of
+from hpct.builder.sources import load_manifest, pinned_versions, sha256_of
 from hpct.errors import PatchError
 from util import REPO, run_cli
 
-SERIES_DIR = REPO / "patches" / "nccl" / "2.21.5"
-SOURCE = REPO / "third_party" / "src" / "nccl-2.21.5"
-NEED_SOURCE = ("needs the pinned NCCL source: HPCT_NCCL_SOURCE=<nccl-2.21.5-1.tar.gz or tree>, made with "
-               "`git archive --format=tar --prefix=nccl-2.21.5-1/ v2.21.5-1 | gzip -n` in a clone of "
-               "NVIDIA/nccl, or `hpct-build fetch nccl --source PATH`")
+VERSIONS = ("2.21.5", "2.30.7")
+PROJECT = REPO / "src" / "nccl_rootless"      # the ring core and header every pin shares
 
 
-def _series() -> Series:
+def _need_source(version: str) -> str:
+    return (f"needs the pinned NCCL {version} source: HPCT_NCCL_SOURCES=<folder holding nccl-{version}-1.tar.gz> "
+            f"(or HPCT_NCCL_SOURCE=<that tarball or tree>), made with `git archive --format=tar "
+            f"--prefix=nccl-{version}-1/ v{version}-1 | gzip -n` in a clone of NVIDIA/nccl")
+
+
+def _series(version: str = "2.21.5") -> Series:
     layout = Layout(REPO)
-    return load_series(layout, load_manifest(layout, "nccl"))
+    return load_series(layout, load_manifest(layout, "nccl", version))
+
+
+@pytest.mark.unit
+def test_the_manifest_pins_both_versions_with_their_cuda_and_wheel():
+    layout = Layout(REPO)
+    assert pinned_versions(layout, "nccl") == list(VERSIONS)
+    assert load_manifest(layout, "nccl").version == "2.21.5"        # the default
+    want = {"2.21.5": ("12.4", "nvidia-nccl-cu12", "v2.21.5-1"), "2.30.7": ("13.0", "nvidia-nccl-cu13", "v2.30.7-1")}
+    for version, (cuda, wheel, tag) in want.items():
+        m = load_manifest(layout, "nccl", version)
+        assert (m.extra["cuda"], m.extra["wheel"], m.extra["tag"]) == (cuda, wheel, tag)
+        assert m.providers[0].file == f"nccl-{version}-1.tar.gz"
+        assert len(m.identity["tree_sha256"]) == 64
+
+
+@pytest.mark.unit
+def test_an_unpinned_version_names_the_pinned_ones():
+    with pytest.raises(Exception) as err:
+        load_manifest(Layout(REPO), "nccl", "2.28.9")
+    assert "nccl version '2.28.9' is not pinned (pinned: 2.21.5, 2.30.7)" in str(err.value)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("version", VERSIONS)
+def test_both_pins_place_one_shared_ring_core(version):
+    """The ring core and the public header are project files, not patch content: one copy for all pins."""
+    series = _series(version)
+    placed = dict(series.project_files)
+    assert placed == {"src/include/hpct_ring.h": PROJECT / "hpct_ring.h",
+                      "src/misc/hpct_ring.cc": PROJECT / "hpct_ring.cc",
+                      "src/include/nccl_rootless.h": PROJECT / "nccl_rootless.h"}
+    for path in series.paths:
+        assert not set(new_files(path)) & set(placed), path.name
+    assert series.identity() != _series(VERSIONS[1 - VERSIONS.index(version)]).identity()
+
+
+@pytest.mark.unit
+def test_a_project_file_never_replaces_an_upstream_file(tmp_path):
+    tree = tmp_path / "tree"
+    (tree / "src" / "misc").mkdir(parents=True)
+    (tree / "src" / "misc" / "hpct_ring.cc").write_text("upstream\n")
+    series = Series("nccl", "2.30.7", tmp_path, (), (("src/misc/hpct_ring.cc", PROJECT / "hpct_ring.cc"),))
+    with pytest.raises(PatchError) as err:
+        apply_series(series, tree, Progress(quiet=True))
+    assert "nccl 2.30.7 already has src/misc/hpct_ring.cc: a project file may only add a file" in str(err.value)
+    assert (tree / "src" / "misc" / "hpct_ring.cc").read_text() == "upstream\n"
+
+
+@pytest.mark.unit
+def test_a_missing_project_file_is_named(tmp_path):
+    series = Series("nccl", "2.30.7", tmp_path, (), (("src/misc/hpct_ring.cc", tmp_path / "gone.cc"),))
+    with pytest.raises(PatchError) as err:
+        apply_series(series, tmp_path, Progress(quiet=True))
+    assert f"the nccl series needs the project file(s) {tmp_path / 'gone.cc'}, which do not exist" in str(err.value)
 
 
 # ------------------------------------------------------------ form (CI)
 
 @pytest.mark.unit
-def test_every_patch_is_new_files_plus_zero_context_insertions():
-    series = _series()
-    assert len(series.entries) >= 3
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_patch_is_new_files_plus_zero_context_insertions(version):
+    series = _series(version)
+    assert len(series.entries) >= 2
     for path in series.paths:
         assert lint_insertion_only(path) == [], path.name
         assert lint_patch(path) == [], path.name
@@ -52,8 +110,9 @@ def test_every_patch_is_new_files_plus_zero_context_insertions():
 
 
 @pytest.mark.unit
-def test_every_series_line_says_why():
-    for entry in _series().entries:
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_series_line_says_why(version):
+    for entry in _series(version).entries:
         assert len(entry.why) > 30, entry.patch
 
 
@@ -64,10 +123,11 @@ def test_the_manifest_enforces_insertion_only():
 
 
 @pytest.mark.unit
-def test_lines_added_to_upstream_files_are_few_and_say_hpct():
+@pytest.mark.parametrize("version", VERSIONS)
+def test_lines_added_to_upstream_files_are_few_and_say_hpct(version):
     """Everything of substance lives in new files; upstream files get small hooks that name hpct."""
     hunks = []
-    for path in _series().paths:
+    for path in _series(version).paths:
         created = set(new_files(path))
         text = path.read_text().split("\n-- \n", 1)[0]
         for m in re.finditer(r"^diff --git a/\S+ b/(\S+)$(.*?)(?=^diff --git |\Z)", text, re.MULTILINE | re.DOTALL):
@@ -81,25 +141,29 @@ def test_lines_added_to_upstream_files_are_few_and_say_hpct():
 
 
 @pytest.mark.unit
-def test_touched_sha256_lists_exactly_the_touched_files():
-    series = _series()
-    listing = (SERIES_DIR / TOUCHED_SHA256).read_text().split("\n")
+@pytest.mark.parametrize("version", VERSIONS)
+def test_touched_sha256_lists_exactly_the_touched_files(version):
+    series = _series(version)
+    listing = (series.directory / TOUCHED_SHA256).read_text().split("\n")
     names = [ln.split(None, 1)[1] for ln in listing if ln.strip()]
     assert names == touched_files(series)
     assert all(re.fullmatch(r"[0-9a-f]{64}", ln.split()[0]) for ln in listing if ln.strip())
 
 
 @pytest.mark.unit
-def test_the_public_header_and_the_ring_core_are_new_files(tmp_path):
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_public_header_and_the_ring_core_are_new_files(tmp_path, version):
     layout = Layout(REPO)
-    m = load_manifest(layout, "nccl")
+    m = load_manifest(layout, "nccl", version)
     header = extract_new_file(layout, m, "src/include/nccl_rootless.h", tmp_path).read_text()
     assert "ncclCommInitRankRootless" in header and "ncclRootlessInfo_t" in header
     core = extract_new_file(layout, m, "src/misc/hpct_ring.cc", tmp_path).read_text()
     assert '#include "hpct_ring.h"' in core and "nccl" not in core.lower().replace("hpct", "")
     with pytest.raises(PatchError) as err:
         extract_new_file(layout, m, "src/init.cc", tmp_path)
-    assert "no patch of nccl 2.21.5 adds src/init.cc" in str(err.value)
+    assert f"no patch or project file of nccl {version} adds src/init.cc" in str(err.value)
+    glue = extract_new_file(layout, m, "src/misc/hpct_rootless.cc", tmp_path).read_text()
+    assert "ncclCommInitRankRootless" in glue and "hpctRingForm" in glue
 
 
 # ------------------------------------------------------------ the lint and the checks on bad input (CI)
@@ -209,37 +273,48 @@ def test_record_and_verify_through_the_cli_on_gloo(seeded_root):
 
 # ------------------------------------------------------------ with the pinned source
 
-def _source() -> Path | None:
+def _source(version: str) -> Path | None:
+    """The pinned tree or tarball: a fetched tree, HPCT_NCCL_SOURCES/nccl-<v>-1.tar.gz, or HPCT_NCCL_SOURCE
+    (taken only when it names this version)."""
+    fetched = REPO / "third_party" / "src" / f"nccl-{version}"
+    if (fetched / ".hpct-source.json").is_file():
+        return fetched
+    folder = os.environ.get("HPCT_NCCL_SOURCES")
+    if folder and (Path(folder) / f"nccl-{version}-1.tar.gz").is_file():
+        return Path(folder) / f"nccl-{version}-1.tar.gz"
     env = os.environ.get("HPCT_NCCL_SOURCE")
-    if (SOURCE / ".hpct-source.json").is_file():
-        return SOURCE
-    return Path(env) if env else None
+    return Path(env) if env and version in Path(env).name else None
 
 
 @pytest.mark.slow
-def test_series_applies_to_the_pin_and_every_touched_file_matches(tmp_path):
-    source = _source()
+@pytest.mark.parametrize("version,hook", [("2.21.5", "hpctBootstrapRootlessRing"),
+                                          ("2.30.7", "hpctBootstrapRootlessRing")])
+def test_series_applies_to_the_pin_and_every_touched_file_matches(tmp_path, version, hook):
+    source = _source(version)
     if source is None:
-        pytest.skip(NEED_SOURCE)
+        pytest.skip(_need_source(version))
     root = tmp_path / "checkout"
-    for name in ("third_party", "patches", "build_scripts"):
+    for name in ("third_party", "patches", "build_scripts", "src/nccl_rootless"):
         shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("src", "patched", "build", "cache"))
-    proc = run_cli("hpct-build", "patch", "nccl", "--root", str(root), env={"HPCT_NCCL_SOURCE": str(source)},
-                   timeout=300)
+    proc = run_cli("hpct-build", "patch", f"nccl={version}", "--root", str(root),
+                   env={"HPCT_NCCL_SOURCE": str(source), "HPCT_NCCL_SOURCES": ""}, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "touched files match touched.sha256" in proc.stderr + proc.stdout
-    patched = root / "third_party" / "patched" / "nccl-2.21.5"
-    assert "hpctBootstrapRootlessRing" in (patched / "src" / "bootstrap.cc").read_text()
+    assert "placed 3 project files" in proc.stderr + proc.stdout
+    patched = root / "third_party" / "patched" / f"nccl-{version}"
+    assert hook in (patched / "src" / "bootstrap.cc").read_text()
+    for rel, name in (("src/misc/hpct_ring.cc", "hpct_ring.cc"), ("src/include/nccl_rootless.h", "nccl_rootless.h")):
+        assert (patched / rel).read_bytes() == (PROJECT / name).read_bytes()
     # A zero-context hunk applied to a tree one line off lands in the wrong place without a
     # word from `patch`: the recorded digests are what catches it.
     shifted = tmp_path / "shifted"
-    shutil.copytree(patched.parent.parent / "src" / "nccl-2.21.5", shifted,
+    shutil.copytree(patched.parent.parent / "src" / f"nccl-{version}", shifted,
                     ignore=shutil.ignore_patterns(".hpct-source.json"))
     init = shifted / "src" / "init.cc"
     init.write_text("// one line more\n" + init.read_text())
     shutil.rmtree(root / "third_party" / "src")
-    shutil.copytree(shifted, root / "third_party" / "src" / "nccl-2.21.5")
-    (root / "third_party" / "src" / "nccl-2.21.5" / ".hpct-source.json").write_text('{"name": "nccl"}\n')
-    proc = run_cli("hpct-build", "patch", "nccl", "--check", "--root", str(root), timeout=300)
+    shutil.copytree(shifted, root / "third_party" / "src" / f"nccl-{version}")
+    (root / "third_party" / "src" / f"nccl-{version}" / ".hpct-source.json").write_text('{"name": "nccl"}\n')
+    proc = run_cli("hpct-build", "patch", f"nccl={version}", "--check", "--root", str(root), timeout=300)
     assert proc.returncode == 5, proc.stderr
     assert "src/init.cc has sha256" in proc.stderr and "the series expects" in proc.stderr

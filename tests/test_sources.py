@@ -51,11 +51,14 @@ def test_manifests_pin_every_component(repo):
     names = sorted(p.stem for p in (repo / "third_party").glob("*.toml"))
     assert names == ["gloo", "nccl", "pytorch"]
     for name in names:
-        m = tomllib.loads((repo / "third_party" / f"{name}.toml").read_text())
-        assert m["version"] and m["license"] and m["upstream_url"].startswith("https://")
-        assert m["providers"], name
-        for p in m["providers"]:
-            assert len(p["sha256"]) == 64 and int(p["sha256"], 16) >= 0
+        data = tomllib.loads((repo / "third_party" / f"{name}.toml").read_text())
+        assert data["license"], name
+        # One pin at the top level, or several as [[pins]] (NCCL: one per PyTorch it serves).
+        for m in data.get("pins") or [data]:
+            assert m["version"] and m["upstream_url"].startswith("https://")
+            assert m["providers"], name
+            for p in m["providers"]:
+                assert len(p["sha256"]) == 64 and int(p["sha256"], 16) >= 0
 
 
 def test_unknown_component_lists_the_known_ones(scratch_root):
@@ -115,11 +118,43 @@ def test_no_deb_src_and_no_network_says_how_to_fix(scratch_root, tmp_path):
 def test_nccl_without_provider_fails_fast_naming_url_and_variable(scratch_root):
     # A proxy on a closed port stands for "no network" even where GitHub is reachable.
     closed = "http://127.0.0.1:9"
+    # No source handed over: CI sets HPCT_NCCL_SOURCES (and a developer may set HPCT_NCCL_SOURCE).
     proc = run_cli("hpct-build", "fetch", "nccl", "--root", str(scratch_root),
-                   env={"https_proxy": closed, "http_proxy": closed, "HTTPS_PROXY": closed}, timeout=60)
+                   env={"https_proxy": closed, "http_proxy": closed, "HTTPS_PROXY": closed,
+                        "HPCT_NCCL_SOURCE": "", "HPCT_NCCL_SOURCES": ""}, timeout=60)
     assert proc.returncode == 3, proc.stderr
     assert "https://github.com/NVIDIA/nccl/archive/refs/tags/v2.21.5-1.tar.gz" in proc.stderr
     assert "--source PATH or HPCT_NCCL_SOURCE=PATH" in proc.stderr
+
+
+def _nccl_tarball(path: Path, top: str, version_mk: str) -> Path:
+    import io
+    import tarfile
+    data = version_mk.encode()
+    with tarfile.open(path, "w:gz") as tar:
+        info = tarfile.TarInfo(f"{top}/makefiles/version.mk")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_nccl_sources_folder_gives_fetch_the_tarball_of_the_version_asked(scratch_root, tmp_path):
+    folder = tmp_path / "sources"
+    folder.mkdir()
+    _nccl_tarball(folder / "nccl-2.30.7-1.tar.gz", "nccl-2.30.7-1",
+             "NCCL_MAJOR   := 2\nNCCL_MINOR   := 30\nNCCL_PATCH   := 7\n")
+    proc = run_cli("hpct-build", "fetch", "nccl=2.30.7", "--root", str(scratch_root),
+                   env={"HPCT_NCCL_SOURCE": "", "HPCT_NCCL_SOURCES": str(folder)}, timeout=60)
+    # The tarball of 2.30.7 was taken (and judged: a stand-in, so its tree digest is not the pin's).
+    assert proc.returncode == 3, proc.stderr
+    assert f"unpacking nccl-2.30.7-1.tar.gz" in proc.stderr + proc.stdout
+    assert f"{folder / 'nccl-2.30.7-1.tar.gz'} is not nccl 2.30.7: its tree digest is" in proc.stderr
+    # 2.21.5 asked, the folder lacks its tarball: named, with the file to put there.
+    proc = run_cli("hpct-build", "fetch", "nccl", "--root", str(scratch_root),
+                   env={"HPCT_NCCL_SOURCE": "", "HPCT_NCCL_SOURCES": str(folder)}, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    assert f"HPCT_NCCL_SOURCES={folder} holds no nccl-2.21.5-1.tar.gz (nccl 2.21.5)" in proc.stderr
+    assert "fix: put nccl-2.21.5-1.tar.gz there" in proc.stderr
 
 
 def _nccl_tree(root: Path, minor: int) -> Path:

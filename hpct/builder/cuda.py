@@ -73,8 +73,19 @@ CUDA_PINS: dict[str, dict] = {
                   "90", "90a", "100", "100a", "101", "101a", "120", "120a"),
         "deb": None,
     },
+    # NCCL 2.30.7 (torch 2.14.1's nvidia-nccl-cu13 pin).  No Debian release carries CUDA 13 and
+    # PyPI lacks its compiler drivers: a CUDA 13.0 install (CUDA_HOME, or /usr/local/cuda when its
+    # nvcc reports 13.0) builds it.
+    "13.0": {
+        "wheels": (),
+        # `nvcc --list-gpu-code` of CUDA 13.0 (sm_75 is its oldest target).
+        "archs": ("75", "80", "86", "87", "88", "89", "90", "100", "103", "110", "120", "121"),
+        "deb": None,
+    },
 }
 DEFAULT_CUDA = "12.4"   # the CUDA of torch 2.6.0's cu124 wheels
+# Where a CUDA install lives when CUDA_HOME is unset; used only when its nvcc reports the release asked.
+STANDARD_HOME = Path("/usr/local/cuda")
 STAMP = ".hpct-cuda.json"
 DOWNLOAD_TIMEOUT = 900
 # The compiler drivers NCCL's build calls through nvcc; each must exist in the assembled bin/.
@@ -218,7 +229,7 @@ def nvcc_release(cuda_home: Path) -> str | None:
 def preflight(cuda: str) -> None:
     """The checks of ``cuda_toolchain`` that need no download: run before a long fetch."""
     p = pins(cuda)
-    if os.environ.get("CUDA_HOME") or p["deb"] is not None:
+    if os.environ.get("CUDA_HOME") or p["deb"] is not None or nvcc_release(STANDARD_HOME) == cuda:
         _env_home(cuda)
         return
     can = sorted(v for v, q in CUDA_PINS.items() if q["deb"])
@@ -233,7 +244,8 @@ def _env_home(cuda: str) -> Path | None:
     """$CUDA_HOME when set and its nvcc reports ``cuda``; None when unset; else an error."""
     env_home = os.environ.get("CUDA_HOME")
     if not env_home:
-        return None
+        # No CUDA_HOME: the standard install, when it is the release asked (else assemble one).
+        return STANDARD_HOME if nvcc_release(STANDARD_HOME) == cuda else None
     home = Path(env_home)
     got = nvcc_release(home)
     if got != cuda:

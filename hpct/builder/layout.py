@@ -24,7 +24,7 @@ from typing import Iterator
 from ..errors import ConfigError, SourceError
 
 WORKDIR_ENV = "HPCT_BUILD_DIR"
-INPUT_DIRS = ("patches", "build_scripts")   # plus third_party/*.toml
+INPUT_DIRS = ("patches", "build_scripts", "src/nccl_rootless")   # plus third_party/*.toml; the last: NCCL's shared ring core
 INPUTS_STAMP = ".hpct-inputs.json"
 
 

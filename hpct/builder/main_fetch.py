@@ -7,18 +7,35 @@ import os
 import sys
 from pathlib import Path
 
-from ..errors import ConfigError, HpctError
+from ..errors import ConfigError, HpctError, SourceError
 from .common import add_components, add_root, layout_of, manifests_of, progress_of
 from .sources import Manifest, fetch
 
 SOURCE_ENV = "HPCT_{NAME}_SOURCE"   # e.g. HPCT_NCCL_SOURCE: a tarball or tree for that component
+# e.g. HPCT_NCCL_SOURCES: a folder of tag tarballs named as the manifest's providers name them
+# (nccl-<version>-1.tar.gz), one per pinned version; fetch takes the one of the version asked.
+SOURCES_ENV = "HPCT_{NAME}_SOURCES"
 
 
 def source_for(m: Manifest, explicit: Path | None) -> Path | None:
+    """--source, else HPCT_<NAME>_SOURCE, else this version's tarball in HPCT_<NAME>_SOURCES."""
     if explicit is not None:
         return explicit
     value = os.environ.get(SOURCE_ENV.format(NAME=m.name.upper()))
-    return Path(value) if value else None
+    if value:
+        return Path(value)
+    folder_var = SOURCES_ENV.format(NAME=m.name.upper())
+    folder = os.environ.get(folder_var)
+    if not folder:
+        return None
+    names = [p.file for p in m.providers]
+    for name in names:
+        if (Path(folder) / name).is_file():
+            return Path(folder) / name
+    where = "is not a folder" if not Path(folder).is_dir() else f"holds no {' or '.join(names)}"
+    raise SourceError(f"{folder_var}={folder} {where} ({m.name} {m.version})",
+                      fix=f"put {names[0]} there (git archive --format=tar --prefix={names[0].removesuffix('.tar.gz')}/ "
+                          f"<tag> | gzip -n), or unset {folder_var}")
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import shutil
 import time
@@ -31,11 +32,54 @@ STAMP = "hpct-series.json"
 # The header the series installs beside nccl.h; looked for in the patched tree when the
 # series does not add it to NCCL's own list of exported headers.
 ROOTLESS_HEADER = "nccl_rootless.h"
-# The library links libcudart.so.12 dynamically; in a wheel it sits in nvidia/nccl/lib and the
-# runtime wheel's copy in nvidia/cuda_runtime/lib, so it can be loaded without torch too.
-# ($$: make would read $ORIGIN as its own variable; the quotes keep the shell off it.)
-RUNPATH = "$ORIGIN/../../cuda_runtime/lib"
-LDFLAGS_ENV = "-Wl,-rpath,'" + RUNPATH.replace("$", "$$") + "'"
+# The library links libcudart.so.<major> dynamically; in a wheel it sits in nvidia/nccl/lib and
+# the runtime wheel's copy where that wheel puts it (the pin's cudart_runpath: cu12 wheels in
+# nvidia/cuda_runtime/lib, CUDA 13 wheels in nvidia/cu13/lib), so it loads without torch too.
+RUNPATH = "$ORIGIN/../../cuda_runtime/lib"      # 2.21.5's; a pin's manifest says its own
+# libnccl's glibc floor (as the hpct extension's src/compat/glibc_floor.c): every reference to a
+# function whose version is newer than GLIBC_2.28 is wrapped (--wrap) onto its oldest version, so
+# the library keeps to manylinux_2_28 although it is built on a newer glibc.  Linked through
+# LDFLAGS: no upstream edit.  x86_64 only.
+GLIBC_FLOOR = "src/nccl_rootless/glibc_floor.c"
+
+
+def runpath_of(m: Manifest) -> str:
+    return m.extra.get("cudart_runpath", RUNPATH)
+
+
+def ldflags(runpath: str, floor: Path | None = None, wraps: list[str] | None = None) -> str:
+    """LDFLAGS for NCCL's link ($$: make would read $ORIGIN as its own variable; the quotes keep
+    the shell off it), plus the glibc-floor object and its --wrap options."""
+    flags = ["-Wl,-rpath,'" + runpath.replace("$", "$$") + "'"]
+    if floor is not None:
+        # libstdc++ linked in (as the hpct extension does): the build machine's
+        # libstdc++.so needs GLIBCXX versions newer than manylinux_2_28 allows.
+        flags += ["-static-libstdc++"]
+        flags += [f"-Wl,--wrap={name}" for name in wraps or []] + [str(floor)]
+    return " ".join(flags)
+
+
+LDFLAGS_ENV = ldflags(RUNPATH)
+
+
+def glibc_floor_wraps(source: Path) -> list[str]:
+    """The names src/compat/glibc_floor.c wraps (each defines __wrap_NAME)."""
+    text = source.read_text()
+    return sorted(set(re.findall(r"^HPCT_FORWARD\((\w+),", text, re.MULTILINE))
+                  | set(re.findall(r"\b__wrap_(\w+)\s*[\(=]", text)))
+
+
+def compile_glibc_floor(layout: Layout, out: Path, log: Path) -> tuple[Path, list[str]]:
+    from .patches import _project_file
+    source = _project_file(layout, GLIBC_FLOOR)
+    if not source.is_file():
+        raise BuildError(f"{GLIBC_FLOOR} is missing, and libnccl needs it to keep to manylinux_2_28",
+                         fix="build from an hpct checkout (--root), which has src/compat/")
+    obj = out / "hpct_glibc_floor.o"
+    cc = require_tools(["cc"])["cc"]
+    run_logged([cc, "-O2", "-fPIC", "-fvisibility=hidden", "-c", str(source), "-o", str(obj)], log,
+               Progress(quiet=True), "cc glibc floor")
+    return obj, glibc_floor_wraps(source)
 
 
 def parse_archs(value: str | None, cuda: str) -> list[str]:
@@ -89,7 +133,7 @@ def build_nccl(layout: Layout, m: Manifest, progress: Progress, tests: bool = Fa
                jobs: int | None = None, cuda: str | None = None, cuda_arch: str | None = None,
                funcs: str | None = None) -> Path:
     """Build ``libnccl.so`` from the patched tree; return the install prefix."""
-    cuda = cuda or DEFAULT_CUDA
+    cuda = cuda or m.extra.get("cuda", DEFAULT_CUDA)
     pins(cuda)
     archs = parse_archs(cuda_arch, cuda)
     funcs = check_funcs(funcs)
@@ -105,7 +149,7 @@ def build_nccl(layout: Layout, m: Manifest, progress: Progress, tests: bool = Fa
     out = layout.build(m.name, m.version)
     obj, prefix, log = out / "obj", out / "install", out / "build.log"
     config = {"series_id": series.identity(), "cuda": cuda, "cuda_archs": archs, "funcs": funcs,
-              "runpath": RUNPATH}
+              "runpath": runpath_of(m), "glibc_floor": platform.machine() == "x86_64"}
     previous = built_info(layout, m)
     incremental = bool(previous and {k: previous.get(k) for k in config} == config and obj.is_dir())
     if not incremental:
@@ -121,10 +165,18 @@ def build_nccl(layout: Layout, m: Manifest, progress: Progress, tests: bool = Fa
            f"CUDA_HOME={home}", "CUDARTLIB=cudart", f"NVCC_GENCODE={gencode(archs)}", f"CXX={tools['c++']}"]
     if funcs:
         cmd.append(f"ONLY_FUNCS={funcs}")
+    if not any(int(a.rstrip("af")) >= 100 for a in archs):
+        # 2.30's symmetric fp8 LDMC kernels are compiled for sm_100f whatever NVCC_GENCODE says
+        # (NVCC_GENCODE_LDMC_FP8, src/device/Makefile), and their bodies exist for sm_100+ only.
+        # With no such arch asked for, compile them for the build's own archs (empty bodies, the
+        # host stubs still defined).  Empty NVCC_GENCODE_LDMC_FP8 would leave them undefined.
+        cmd.append(f"NVCC_GENCODE_LDMC_FP8={gencode(archs)}")
+    floor, wraps = compile_glibc_floor(layout, out, log) if platform.machine() == "x86_64" else (None, [])
     started = time.monotonic()
     # LDFLAGS through the environment: NCCL's makefiles append their own (-lcudart...) to it,
     # where a command-line LDFLAGS would replace them.
-    run_logged(cmd, log, progress, "make", cwd=src, env={**os.environ, "LDFLAGS": LDFLAGS_ENV})
+    run_logged(cmd, log, progress, "make", cwd=src,
+               env={**os.environ, "LDFLAGS": ldflags(runpath_of(m), floor, wraps)})
     seconds = round(time.monotonic() - started, 1)
     staging = out / "install.tmp"
     shutil.rmtree(staging, ignore_errors=True)

@@ -42,6 +42,9 @@ class Series:
     version: str
     directory: Path
     entries: tuple[SeriesEntry, ...]
+    # (path in the patched tree, project file): placed before the first patch, for every pin
+    # that names them in its manifest ([series.project_files]); one copy shared by all pins.
+    project_files: tuple[tuple[str, Path], ...] = ()
 
     @property
     def paths(self) -> list[Path]:
@@ -52,14 +55,35 @@ class Series:
         h = hashlib.sha256()
         for entry, path in zip(self.entries, self.paths):
             h.update(entry.patch.encode() + b"\0" + path.read_bytes() + b"\0")
+        for rel, path in self.project_files:
+            data = path.read_bytes() if path.is_file() else b"(missing)"
+            h.update(b"project\0" + rel.encode() + b"\0" + data + b"\0")
         return h.hexdigest()[:16]
+
+
+def _project_file(layout: Layout, src: str) -> Path:
+    """``src`` in the layout's root, else in the inputs an installed hpct carries, else in the
+    checkout this hpct runs from (a scratch root with only manifests and patches still works)."""
+    from .layout import _checkout_here, packaged_inputs
+    module_checkout = Path(__file__).resolve().parents[2]
+    for base in (layout.root, packaged_inputs(), _checkout_here(), module_checkout):
+        if base is not None and (Path(base) / src).is_file():
+            return Path(base) / src
+    return layout.root / src
+
+
+def project_files(layout: Layout, m: Manifest) -> tuple[tuple[str, Path], ...]:
+    """The manifest's ``[series.project_files]``: (tree path, project file), sorted by tree path."""
+    return tuple((rel, _project_file(layout, src))
+                 for rel, src in sorted(m.extra.get("series", {}).get("project_files", {}).items()))
 
 
 def load_series(layout: Layout, m: Manifest) -> Series:
     directory = layout.series_dir(m.name, m.version)
     path = directory / "series"
+    placed = project_files(layout, m)
     if not path.is_file():
-        return Series(m.name, m.version, directory, ())
+        return Series(m.name, m.version, directory, (), placed)
     entries = []
     for n, raw in enumerate(path.read_text().splitlines(), 1):
         line = raw.strip()
@@ -74,7 +98,7 @@ def load_series(layout: Layout, m: Manifest) -> Series:
             raise PatchError(f"{path}:{n}: series names {name}, which does not exist in {directory}",
                              fix="add the patch file or remove the line")
         entries.append(SeriesEntry(name, why.strip(), n))
-    return Series(m.name, m.version, directory, tuple(entries))
+    return Series(m.name, m.version, directory, tuple(entries), placed)
 
 
 def lint_patch(path: Path) -> list[str]:
@@ -173,13 +197,18 @@ def extract_new_file(layout: Layout, m: Manifest, relpath: str, dest_dir: Path) 
     them from there and never need the upstream tree.
     """
     series = load_series(layout, m)
+    for rel, src in series.project_files:
+        if rel == relpath:
+            dest = Path(dest_dir) / Path(relpath).name
+            write_atomic(dest, src.read_text())
+            return dest
     for path in series.paths:
         files = new_files(path)
         if relpath in files:
             dest = Path(dest_dir) / Path(relpath).name
             write_atomic(dest, files[relpath])
             return dest
-    raise PatchError(f"no patch of {m.name} {m.version} adds {relpath}",
+    raise PatchError(f"no patch or project file of {m.name} {m.version} adds {relpath}",
                      fix=f"check the path against patches/{m.name}/{m.version}/")
 
 
@@ -258,6 +287,7 @@ def apply_series(series: Series, tree: Path, progress: Progress, insertion_only:
     checked against ``touched.sha256`` when it exists.
     """
     tool = _patch_tool()
+    place_project_files(series, tree, progress)
     for entry, path in zip(series.entries, series.paths):
         problems = lint_patch(path) + (lint_insertion_only(path) if insertion_only else [])
         if problems:
@@ -275,6 +305,28 @@ def apply_series(series: Series, tree: Path, progress: Progress, insertion_only:
     checked = verify_touched(series, tree) if verify else 0
     if checked:
         progress.step(f"{checked} touched files match {TOUCHED_SHA256}")
+
+
+def place_project_files(series: Series, tree: Path, progress: Progress) -> None:
+    """Copy the project files into ``tree``; a path upstream already has is refused (never overwritten)."""
+    missing = [str(src) for _, src in series.project_files if not src.is_file()]
+    if missing:
+        raise PatchError(f"the {series.component} series needs the project file(s) {', '.join(missing)}, "
+                         "which do not exist",
+                         fix="restore them from the hpct checkout (git checkout -- src/nccl_rootless), or run "
+                             "hpct-build from a checkout with --root")
+    taken = [rel for rel, _ in series.project_files if (tree / rel).exists()]
+    if taken:
+        raise PatchError(f"{series.component} {series.version} already has {', '.join(taken)}: a project file "
+                         "may only add a file, never replace an upstream one",
+                         fix=f"give the project file another name in third_party/{series.component}.toml "
+                             "[series.project_files]")
+    for rel, src in series.project_files:
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, tree / rel)
+    if series.project_files:
+        progress.step(f"placed {len(series.project_files)} project files "
+                      f"({', '.join(rel for rel, _ in series.project_files)})")
 
 
 def insertion_only(m: Manifest) -> bool:

@@ -61,20 +61,48 @@ def components(layout: Layout) -> list[str]:
     return sorted(p.stem for p in layout.manifests.glob("*.toml"))
 
 
+def _pins(data: dict) -> list[dict]:
+    """The pins of a manifest: its ``[[pins]]`` tables, or the top level as the one pin."""
+    return data.get("pins") or [data]
+
+
+def pinned_versions(layout: Layout, name: str) -> list[str]:
+    """Every version ``third_party/<name>.toml`` pins, the default first."""
+    path = layout.manifests / f"{name}.toml"
+    if not path.is_file():
+        raise ConfigError(f"unknown component {name!r}", fix=f"choose one of: {', '.join(components(layout))}")
+    data = _toml().loads(path.read_text())
+    versions = [p["version"] for p in _pins(data)]
+    default = data.get("default", versions[0])
+    return [default] + [v for v in versions if v != default]
+
+
 def load_manifest(layout: Layout, name: str, version: str | None = None) -> Manifest:
+    """The manifest of ``name`` at ``version`` (default: the manifest's ``default`` pin).
+
+    A manifest pins one version at its top level, or several as ``[[pins]]`` tables
+    (NCCL: one per PyTorch it serves); top-level keys other than ``pins`` and
+    ``default`` are shared by every pin.
+    """
     path = layout.manifests / f"{name}.toml"
     if not path.is_file():
         raise ConfigError(f"unknown component {name!r}",
                           fix=f"choose one of: {', '.join(components(layout))}")
     data = _toml().loads(path.read_text())
-    providers = tuple(Provider(**p) for p in data.pop("providers", []))
-    m = Manifest(name=data.pop("name"), version=data.pop("version"), license=data.pop("license"),
-                 upstream_url=data.pop("upstream_url"), identity=data.pop("identity", {}),
-                 providers=providers, note=data.pop("note", ""), extra=data)
-    if version is not None and version != m.version:
-        raise ConfigError(f"{name} version {version!r} is not pinned (pinned: {m.version})",
-                          fix=f"use {name}={m.version}, or add a manifest and patches/{name}/{version}/")
-    return m
+    pins = _pins(data)
+    pinned = [p["version"] for p in pins]
+    want = version or data.get("default") or pinned[0]
+    if want not in pinned:
+        raise ConfigError(f"{name} version {want!r} is not pinned (pinned: {', '.join(pinned)})",
+                          fix=f"use {' or '.join(f'{name}={v}' for v in pinned)}, or add a pin to "
+                              f"third_party/{name}.toml and patches/{name}/{want}/")
+    pin = dict(next(p for p in pins if p["version"] == want))
+    shared = {k: v for k, v in data.items() if k not in ("pins", "default")} if "pins" in data else {}
+    merged = {**shared, **pin}
+    providers = tuple(Provider(**p) for p in merged.pop("providers", []))
+    return Manifest(name=merged.pop("name"), version=merged.pop("version"), license=merged.pop("license"),
+                    upstream_url=merged.pop("upstream_url"), identity=merged.pop("identity", {}),
+                    providers=providers, note=merged.pop("note", ""), extra=merged)
 
 
 def _toml():
