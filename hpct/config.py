@@ -28,6 +28,7 @@ DEFAULT_PORT_BASE = 12000    # below the 20000 ephemeral floor that `hpct ports 
 DEFAULT_PORT_SLOTS = 8       # groups of one backend alive at once
 DEFAULT_HOSTS = ("127.0.0.1",)
 MAX_PORT = 65535
+NCCL_LIBRARY_VAR = "HPCT_NCCL_LIBRARY"   # read by hpct.distributed.nccl_lib and hpct doctor
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class Var:
 
     name: str
     field: str
-    kind: str                  # "bool" | "int" | "float" | "hosts" | "path"
+    kind: str                  # "bool" | "int" | "float" | "hosts" | "path" (a host file) | "file"
     default: object            # None: optional, or derived from other fields
     low: float | None = None
     high: float | None = None
@@ -66,6 +67,9 @@ VARIABLES: tuple[Var, ...] = (
         help="seconds to keep connecting to peers before start-up fails"),
     Var("HPCT_LAZY_CONNECT", "lazy_connect", "bool", True,
         help="1 (default): a Gloo group connects each pair on first use; 0: the full mesh at start"),
+    Var(NCCL_LIBRARY_VAR, "nccl_library", "file", None,
+        help="libnccl.so.2 with ncclCommInitRankRootless for CUDA tensors; default: the one torch loaded, "
+             "when it is hpct's"),
     Var("HPCT_GENERATION", "generation", "int", 0, 0, (1 << 31) - 1,
         help="membership generation a process starts in (a replacement joins at the survivors' next one)"),
     Var("RANK", "rank", "int", None, 0, 1 << 24, help="global rank (set by torchrun)"),
@@ -171,6 +175,10 @@ def _parse(var: Var, raw: str):
         return float(_parse_number(var, raw, float))
     if var.kind == "hosts":
         return _parse_hosts(var, raw, [h.strip() for h in raw.split(",")])
+    if var.kind == "file":
+        if not Path(raw).is_file():
+            raise _bad(var, raw, "no such file", f"point {var.name} at an existing file, or unset it")
+        return raw
     return _read_hostfile(var, raw)
 
 
@@ -200,6 +208,7 @@ class Config:
     connect_timeout: float = 300.0         # seconds
     lazy_connect: bool = True              # Gloo pairs on first use, not the full mesh
     generation: int = 0                    # bumped by each in-process recovery
+    nccl_library: str | None = None        # the rootless libnccl for the CUDA half
     rank: int | None = None
     local_rank: int | None = None
     world_size: int | None = None

@@ -69,6 +69,8 @@ def test_variable_table_defines_each_name_once():
 
 # (environment, the message as a regex, a piece of the fix)
 BAD_VALUES = [
+    ({"HPCT_NCCL_LIBRARY": "/nonexistent/libnccl.so.2"},
+     r"^HPCT_NCCL_LIBRARY='/nonexistent/libnccl.so.2': no such file$", "an existing file"),
     ({"HPCT_USE_ROOTLESS": "yes"}, r"^HPCT_USE_ROOTLESS='yes': expected 0 or 1$", "HPCT_USE_ROOTLESS=0 or"),
     ({"TORCH_DIST_INIT_BARRIER": "true"}, r"^TORCH_DIST_INIT_BARRIER='true': expected 0 or 1$", "=1"),
     ({"HPCT_PORT_BASE": "12k"}, r"^HPCT_PORT_BASE='12k': not an integer$", "between 1024 and 65535"),
@@ -207,3 +209,11 @@ def test_message_renders_problem_and_fix():
         Config.from_mapping({"HPCT_USE_ROOTLESS": "2"})
     assert str(err.value) == ("HPCT_USE_ROOTLESS='2': expected 0 or 1\n"
                               "  fix: set HPCT_USE_ROOTLESS=0 or HPCT_USE_ROOTLESS=1")
+
+
+def test_the_cuda_halfs_library_variable_is_known_and_kept(tmp_path):
+    # Naming hpct's libnccl must not make the rest of the configuration refuse the environment.
+    lib = tmp_path / "libnccl.so.2"
+    lib.write_bytes(b"\x7fELF")
+    assert Config.from_mapping({"HPCT_NCCL_LIBRARY": str(lib)}).nccl_library == str(lib)
+    assert Config.from_mapping({}).nccl_library is None

@@ -224,3 +224,15 @@ def test_stopped_peer_resumed_seconds_later_rejoins_the_same_generation(tmp_path
         assert rec["error"], (r, rec)                          # every rank saw the fault
         assert rec["formed"] and rec["generation"] == 1 and rec["sum"] == 6.0, (r, rec)
     assert max(len(rec["attempts"]) for rec in got) >= 2, got   # the others retried meanwhile
+
+
+def test_fault_free_run_is_bit_identical_to_stock_gloo(tmp_path, reference):
+    # The same trainer on torch's own Gloo (TCPStore, rank 0 root): the reference the GPU proof
+    # uses on NCCL (tests/gpu), here on the CPU so the --stock path runs in CI.
+    with job(tmp_path, "--stock") as j:
+        port = free_port_block(1, avoid=range(j.port_base, j.port_base + 8 * WORLD))
+        j.env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        j.start_all()
+        assert j.wait_all() == {r: 0 for r in range(WORLD)}
+    got = params(tmp_path)
+    assert all(identical(g, reference[0]) for g in got), "hpct's DDP differs from stock Gloo's"

@@ -2,6 +2,11 @@
 
     python -m hpct.demo.trainer train OUT_DIR --steps S [--hang RANK:STEP:GEN ...] [--replacement]
 
+--device cuda runs the same job on CUDA tensors (the hpct backend's NCCL engine; ranks that
+share a GPU each get their own NCCL_HOSTID, so NCCL treats them as hosts and uses sockets);
+--stock runs it on torch's own backend (gloo or nccl, env:// with MASTER_ADDR/MASTER_PORT),
+the reference a run on hpct must match bit for bit.
+
 Configuration comes from the environment: RANK, WORLD_SIZE, N_PROC_PER_NODE,
 HPCT_PORT_BASE, HPCT_CONNECT_TIMEOUT, HPCT_GENERATION.  Every rank writes
 OUT_DIR/rank<R>-<pid>.json (events) and OUT_DIR/params-<R>.pt (final parameters).
@@ -39,12 +44,30 @@ def model_and_optimizer():
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
+def device_of(kind: str) -> torch.device:
+    if kind == "cpu":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise SystemExit("trainer: --device cuda, but torch sees no CUDA device")
+    if count < int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1):
+        # Several ranks on one GPU: NCCL refuses two ranks of a comm on one device of one host,
+        # unless each rank is a host of its own (then it talks over sockets).
+        os.environ.setdefault("NCCL_HOSTID", f"hpct-trainer-rank-{os.environ['RANK']}")
+    dev = torch.device("cuda", local % count)
+    torch.cuda.set_device(dev)
+    return dev
+
+
 def wrap(model):
     # find_unused_parameters=True keeps DDP's first bucket layout for the whole run (no
     # rebuild after iteration 1).  A DDP built after a recovery then reduces every element
     # at the same position, hence in the same order, as the DDP of a run without faults:
     # the condition for bit-identical parameters.
-    return nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    dev = next(model.parameters()).device
+    ids = [dev.index] if dev.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=ids, find_unused_parameters=True)
 
 
 def rejoin(log, model, opt, step, *, healthy, recover_first, args):
@@ -96,9 +119,16 @@ def train(args) -> int:
     rank = int(os.environ["RANK"])
     log = Log(out, rank)
     log.event("start", generation=int(os.environ.get("HPCT_GENERATION", "0") or 0))
-    hd.init_process_group(timeout=args.op_timeout)
+    dev = device_of(args.device)
+    if args.stock:
+        import datetime
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=args.op_timeout))
+    else:
+        hd.init_process_group(timeout=args.op_timeout)
     log.event("connected", generation=hd.generation())
     model, opt = model_and_optimizer()
+    model.to(dev)       # in place: the optimizer's parameters stay the model's
     step = 0
     ddp = None
     if args.replacement:
@@ -108,7 +138,7 @@ def train(args) -> int:
     loss_fn = nn.MSELoss()
     while step < args.steps:
         opt.zero_grad(set_to_none=True)
-        x, y = batch(rank, step)
+        x, y = (t.to(dev) for t in batch(rank, step))
         try:
             loss = loss_fn(ddp(x), y)
             if (rank, step, hd.generation()) in args.hang:
@@ -120,14 +150,14 @@ def train(args) -> int:
         except Exception as err:     # the gradient allreduce failed: a peer is gone
             log.event("failure", step=step, error=str(err)[:2000], type=type(err).__name__,
                       generation=hd.generation())
-            if args.no_recover:
+            if args.no_recover or args.stock:
                 raise
             del ddp
             step, ddp = rejoin(log, model, opt, step, healthy=True, recover_first=True, args=args)
             continue
         opt.step()
         step += 1
-    torch.save({k: v.clone() for k, v in model.state_dict().items()}, out / f"params-{rank}.pt")
+    torch.save({k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, out / f"params-{rank}.pt")
     log.event("done", step=step, generation=hd.generation())
     if args.fast_exit:
         # Leave without tearing the mesh down (a peer that exits first may reset the last
@@ -139,7 +169,10 @@ def train(args) -> int:
         sys.stdout.flush()
         os._exit(0)
     dist.barrier()
-    hd.shutdown_all()
+    if args.stock:
+        dist.destroy_process_group()
+    else:
+        hd.shutdown_all()
     return 0
 
 
@@ -157,6 +190,8 @@ def main(argv=None) -> int:
     t.add_argument("--no-recover", action="store_true")
     t.add_argument("--max-recoveries", type=int, default=3)
     t.add_argument("--op-timeout", type=float, default=30.0)
+    t.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    t.add_argument("--stock", action="store_true", help="torch's own backend (the reference run)")
     t.add_argument("--fast-exit", action="store_true", help="os._exit after the last barrier, no tear-down")
     args = ap.parse_args(argv)
     return train(args)

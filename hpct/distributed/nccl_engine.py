@@ -19,7 +19,11 @@ Semantics follow ProcessGroupNCCL: an op waits for the caller's current stream (
 runs on the engine's own stream; ``Work.wait()`` makes the caller's current stream wait (no
 host block; a barrier's wait blocks the host, as NCCL's does), ``wait(timeout)`` bounds a
 host wait, ``is_completed()`` polls the event, ``get_future()`` is a CUDA-aware future
-completed at launch (its consumers wait on the stream).  Tensors stay referenced until
+completed when the op's GPU work has finished (a completer thread waits on each op's event
+with the GIL released), or failed with the group's error if the group failed first.  Unlike
+ProcessGroupNCCL's (completed at launch), it lets DDP's backward raise before the optimizer
+steps on gradients a lost peer never finished reducing, so survivors recover in-process and
+redo the step.  Tensors stay referenced until
 their op's event completes.  Sends and receives are batched: consecutive ones go to NCCL
 as one group when something needs them (a wait, the next collective, ``end_coalescing``,
 or the watchdog after ``P2P_FLUSH_S`` idle), so ``batch_isend_irecv`` is one NCCL group
@@ -124,24 +128,38 @@ class NcclWork(dist.Work):
         self._done = False
         self._keep: list = []                             # tensors alive until the op ends
         self._future = torch.futures.Future(devices=[device])
+        self._future_lock = threading.Lock()              # the completer and _fail race to settle it
+        self._stream = None
         self.deadline: float | None = None
 
     # engine side
     def _mark_launched(self, event, keep, stream) -> None:
         self._event = event
         self._keep = keep
+        self._stream = stream
         self.deadline = time.monotonic() + self._engine.op_timeout
-        with torch.cuda.stream(stream):
-            self._future.set_result(self._result)
         self._launched.set()
 
     def _fail(self, err: BaseException) -> None:
         if self._error is None and not self._done:
             self._error = err
             self._keep = []
-            if not self._future.done():
-                self._future.set_exception(err)
+            with self._future_lock:
+                if not self._future.done():
+                    self._future.set_exception(err)
         self._launched.set()
+
+    def _finish_future(self) -> None:
+        """Settle the future once the GPU finished the op: its value, or the group's failure."""
+        with self._future_lock:
+            if self._future.done():
+                return
+            err = self._error or self._engine.failure
+            if err is not None:
+                self._future.set_exception(err)
+                return
+            with torch.cuda.stream(self._stream):
+                self._future.set_result(self._result)
 
     def _poll(self) -> bool:
         """True when finished (done or failed); drops the kept tensors when done."""
@@ -254,6 +272,9 @@ class NcclEngine:
         self._coalescing = False
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
+        self._completions: collections.deque[NcclWork] = collections.deque()
+        self._completion_cv = threading.Condition()
+        self._completer: threading.Thread | None = None
 
     # ---- identity and failure -----------------------------------------------------------
     @property
@@ -328,8 +349,11 @@ class NcclEngine:
                 self._comm = None
             self._lib.destroy(comm)
         self._stop.set()
-        if self._watchdog is not None and self._watchdog is not threading.current_thread():
-            self._watchdog.join(timeout)
+        with self._completion_cv:
+            self._completion_cv.notify()
+        for t in (self._watchdog, self._completer):
+            if t is not None and t is not threading.current_thread():
+                t.join(timeout)
 
     # ---- the communicator -----------------------------------------------------------------
     def _check_device(self, tensors: Sequence[torch.Tensor], what: str) -> torch.device:
@@ -381,6 +405,9 @@ class NcclEngine:
                 self._watchdog = threading.Thread(target=self._watch, daemon=True,
                                                   name=f"hpct-nccl-watchdog-{self.group_name}")
                 self._watchdog.start()
+                self._completer = threading.Thread(target=self._complete_in_order, daemon=True,
+                                                   name=f"hpct-nccl-completer-{self.group_name}")
+                self._completer.start()
             return comm
 
     def _settle(self, comm, what: str, seconds: float, cls=NcclGroupError) -> None:
@@ -462,6 +489,9 @@ class NcclEngine:
                     for _, w in items:
                         w._mark_launched(event, w._keep, stream)
                         self._inflight.append(w)
+                    with self._completion_cv:
+                        self._completions.extend(w for _, w in items)
+                        self._completion_cv.notify()
             except nccl_lib.NcclError as err:
                 failure = self._err(NcclGroupError, what, str(err))
             else:
@@ -490,6 +520,21 @@ class NcclEngine:
         group._keep = [t for w in works for t in w._keep]
         self._launch(batch + [(lambda comm, stream: 0, group)], "coalesced ops")
         return group
+
+    # ---- completion -----------------------------------------------------------------------
+    def _complete_in_order(self) -> None:
+        """Settle each launched op's future when its GPU work ends, in launch order."""
+        while True:
+            with self._completion_cv:
+                while not self._completions:
+                    if self._stop.is_set():
+                        return
+                    self._completion_cv.wait(WATCHDOG_PERIOD_S)
+                w = self._completions.popleft()
+            if w._error is None and w._event is not None:
+                # Blocks with the GIL released; an abort (the watchdog's) ends a stuck kernel.
+                w._event.synchronize()
+            w._finish_future()
 
     # ---- the watchdog ---------------------------------------------------------------------
     def _watch(self) -> None:

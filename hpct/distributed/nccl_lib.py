@@ -32,9 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from ..config import NCCL_LIBRARY_VAR
 from ..errors import HpctArgumentError, TransportError
 
-LIBRARY_VAR = "HPCT_NCCL_LIBRARY"
+LIBRARY_VAR = NCCL_LIBRARY_VAR
 ROOTLESS_SYMBOL = "ncclCommInitRankRootless"
 ROOTLESS_ID_SYMBOL = "ncclRootlessUniqueId"
 REVOKE_SYMBOL = "ncclCommRevoke"

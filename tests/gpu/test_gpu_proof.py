@@ -7,9 +7,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from hpct.demo.agent import Job, free_port_block, trainer_argv
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
@@ -19,13 +22,14 @@ RANKS = [int(n) for n in os.environ.get("GPU_PROOF_RANKS", "2 4").split()]
 
 
 def run_ranks(n: int, mode: str, timeout: float = 120.0) -> list[str]:
-    base = 21000 + 100 * n
+    base = free_port_block(16 * n)                         # both blocks of the plan (8 slots each)
+    master = free_port_block(1, avoid=range(base, base + 16 * n))
     procs = []
     for r in range(n):
         env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r),
                "LOCAL_WORLD_SIZE": str(n), "N_PROC_PER_NODE": str(n), "HPCT_PORT_BASE": str(base),
                "NCCL_HOSTID": f"hpct-gpu-proof-{r}", "NCCL_SOCKET_IFNAME": "lo",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(base + 90), "GPU_PROOF_MODE": mode}
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "GPU_PROOF_MODE": mode}
         procs.append(subprocess.Popen([sys.executable, "-P", str(WORKER)], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outs = []
@@ -56,7 +60,67 @@ def test_bus_bandwidth_table(n):
     (report / f"busbw-{n}.txt").write_text(table)
 
 
-@pytest.mark.xfail(reason="needs the group facade wired to NcclEngine (DDP, SIGKILL + hd.recover(), "
-                          "start-up/recovery table): see the lead's wiring list", strict=False, run=False)
-def test_ddp_recovery_and_startup_table():
-    raise AssertionError("not wired yet")
+# DDP on CUDA through the hpct backend (its NCCL engine) against torch's own NCCL, and the
+# in-process recovery of the CPU tier (tests/test_recovery.py) on the GPU: the same trainer.
+STEPS, KILL_STEP = 20, 10
+NCCL_DETERMINISM = {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}   # one reduction order in both stacks
+
+
+def ddp_job(out: Path, n: int, *args: str) -> Job:
+    out.mkdir(parents=True, exist_ok=True)
+    base = free_port_block(16 * n)
+    env = {"NCCL_SOCKET_IFNAME": "lo", "HPCT_CONNECT_TIMEOUT": "60", **NCCL_DETERMINISM,
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port_block(1, avoid=range(base, base + 16 * n)))}
+    if os.environ.get("HPCT_NCCL_LIBRARY"):
+        env["HPCT_NCCL_LIBRARY"] = os.environ["HPCT_NCCL_LIBRARY"]   # the agent passes no HPCT_* on
+    return Job(trainer_argv(out, "--device", "cuda", "--steps", str(STEPS), *args), n, base, out,
+               time.monotonic() + 240.0, env=env)
+
+
+def params(out: Path, n: int) -> list[dict]:
+    return [torch.load(out / f"params-{r}.pt") for r in range(n)]
+
+
+def identical(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k].view(torch.uint8).equal(b[k].view(torch.uint8)) for k in a)
+
+
+@pytest.mark.parametrize("n", RANKS)
+def test_ddp_bit_identical_to_stock_nccl_and_survives_a_sigkilled_rank(n, tmp_path):
+    runs = {}
+    for name, args in (("stock", ("--stock",)), ("hpct", ())):
+        with ddp_job(tmp_path / name, n, *args) as j:
+            t0 = time.monotonic()
+            j.start_all()
+            assert j.wait_all() == {r: 0 for r in range(n)}, name
+            runs[name] = (params(tmp_path / name, n), time.monotonic() - t0)
+    stock, hpct = runs["stock"][0], runs["hpct"][0]
+    assert all(identical(p, stock[0]) for p in stock + hpct), "DDP on hpct differs from stock NCCL"
+
+    victim = n - 1
+    out = tmp_path / "fault"
+    with ddp_job(out, n, "--hang", f"{victim}:{KILL_STEP}:0") as j:
+        j.start_all()
+        survivors = {r: j.procs[r].pid for r in range(n) if r != victim}
+        j.wait_file(out / f"hang-{victim}-0", 120)
+        time.sleep(0.5)                       # the others are now in step KILL_STEP's allreduce
+        t_kill = time.monotonic()
+        j.kill(victim)
+        j.start(victim, generation=1, extra=["--replacement"])
+        assert j.wait_all() == {r: 0 for r in range(n)}
+    recs = {}
+    for rec in sorted(j.records(), key=lambda r: r["events"][0]["t"]):
+        recs.setdefault(rec["rank"], []).append(rec)
+    for r, pid in survivors.items():
+        assert [rec["pid"] for rec in recs[r]] == [pid], f"survivor {r} was restarted"
+        kinds = [e["what"] for e in recs[r][0]["events"]]
+        assert kinds == ["start", "connected", "failure", "recovered", "done"], kinds
+    got = params(out, n)
+    assert all(identical(p, hpct[0]) for p in got), "recovered run differs from the fault-free run"
+    recover_s = max(e["recover_s"] for r in survivors for e in recs[r][0]["events"] if e["what"] == "recovered")
+    report = Path(os.environ.get("GPU_PROOF_REPORT", "build/gpu-proof"))
+    report.mkdir(parents=True, exist_ok=True)
+    (report / f"ddp-{n}.txt").write_text(
+        f"DDP n={n}: {STEPS} steps bit-identical to stock NCCL; stock job {runs['stock'][1]:.2f} s, "
+        f"hpct job {runs['hpct'][1]:.2f} s; SIGKILL of rank {victim} at step {KILL_STEP}: in-process "
+        f"recovery {recover_s:.3f} s (slowest survivor), run {time.monotonic() - t_kill:.2f} s after the kill\n")
