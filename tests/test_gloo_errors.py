@@ -197,3 +197,20 @@ def test_a_missing_peer_is_connect_timeout_error_naming_it():
     assert time.monotonic() - started < 5.0
     assert isinstance(err.value, TimeoutError) and isinstance(err.value, TransportError)
     assert "still missing rank 1" in str(err.value)
+
+
+def test_set_timeout_changes_the_timeout_of_later_ops():
+    # torch's _set_default_timeout / _set_pg_timeout: ops issued afterwards use the new timeout.
+    a, b = _connected_pair(lazy=False, timeout=30.0)
+    try:
+        assert a.timeout == 30.0
+        a.set_timeout(0.3)
+        assert a.timeout == pytest.approx(0.3)
+        started = time.monotonic()
+        with pytest.raises(gloo.OpTimeoutError, match="300ms for recv operation"):
+            a.recv(bytearray(4), 1)       # rank 1 never sends: 0.3 s, not the 30 s of creation
+        assert time.monotonic() - started < 5.0
+        with pytest.raises(ValueError, match="timeout"):
+            b.set_timeout(-1.0)
+    finally:
+        _close(a, b)

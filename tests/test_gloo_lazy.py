@@ -44,9 +44,13 @@ def test_a_group_forms_on_a_tree_and_the_rest_connects_on_use(size):
         counts = [e["count"] for e in w.events if e["event"] == "connections"]
         assert 1 <= counts[0] <= math.ceil(math.log2(size)) + 1, w.describe()
         assert counts[0] <= counts[1] <= math.log2(size) + 2, w.describe()
-    # The tree's root has a child for every power of two below N.
-    assert [e["count"] for e in workers[0].events if e["event"] == "connections"][0] == \
-        math.ceil(math.log2(size))
+    # The tree's root has a child for every power of two below N.  Its ring predecessor N-1
+    # may already have started the next allreduce (it counted and passed the tree before
+    # rank 0 counted) and dialled rank 0: that one pair, and no other, may be there too.
+    children = {1 << k for k in range(math.ceil(math.log2(size)))}
+    allowed = {len(children)} if size - 1 in children else {len(children), len(children) + 1}
+    root_count = [e["count"] for e in workers[0].events if e["event"] == "connections"][0]
+    assert root_count in allowed, (root_count, allowed)
 
 
 # Dialers wait 5-15 s between attempts (10 s +-50 %): without the doorbell, a rank

@@ -53,6 +53,9 @@ class GlooEngine:
     def timeout(self) -> float:
         return self.ctx.timeout
 
+    def set_timeout(self, seconds: float) -> None:
+        self.ctx.set_timeout(seconds)     # ops queued before keep theirs only if already running
+
     # ---- the worker -----------------------------------------------------------------------
     def _loop(self) -> None:
         while True:

@@ -126,9 +126,12 @@ class HpctProcessGroup(dist.ProcessGroup):
         return _Options(self)
 
     def _set_default_timeout(self, timeout):
-        checks.fail("_set_default_timeout", "the op timeout of an hpct group is fixed when the group is "
-                    f"created ({self.context.timeout:g} s)",
-                    "pass timeout= to init_process_group or new_group")
+        """The op timeout of every op issued from now on, on every engine (as ProcessGroupGloo)."""
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+        if not seconds > 0:
+            checks.fail("_set_default_timeout", f"invalid timeout {timeout!r}", "pass a positive timedelta")
+        for engine in self._engines.values():
+            engine.set_timeout(seconds)
 
     def _describe(self, what: str) -> str:
         return (f"hpct {what} failed on group {self.hpct_group_name} (rank {self._rank} of {self._size}, "

@@ -322,6 +322,10 @@ class NcclEngine:
         t.start()
         t.join(ABORT_BOUND_S)
 
+    def set_timeout(self, seconds: float) -> None:
+        """The op timeout of ops launched from now on (an op in flight keeps its deadline)."""
+        self.op_timeout = float(seconds)
+
     def abort(self, reason: str = "aborted by the application") -> None:
         self._fail(self._err(NcclAbortedError, "op", f"aborted: {reason}"))
 

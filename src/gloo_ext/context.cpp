@@ -336,7 +336,7 @@ class StorelessContext {
                               std::to_string(peers_[i].second));
       }
     }
-    timeout_ = to_ms(timeout, "timeout");
+    timeout_ms_ = to_ms(timeout, "timeout").count();
     options_.generation = generation;
     options_.connectTimeout = to_ms(connect_timeout, "connect_timeout");
     // Retry delays may be 0 (retry at once); they are clamped to 1 ms so
@@ -377,7 +377,7 @@ class StorelessContext {
     attr.bindRetryTimeoutMs =
         bind_retry_timeout <= 0 ? 0 : static_cast<int>(std::ceil(bind_retry_timeout * 1000.0));
     context_ = std::make_shared<gloo::rendezvous::Context>(rank, size);
-    context_->setTimeout(timeout_);
+    context_->setTimeout(op_timeout());
     without_gil([&] { device_ = gloo::transport::tcp::CreateDevice(attr); });
     if (connect) {
       this->connect();
@@ -551,7 +551,7 @@ class StorelessContext {
         case DType::I64: opts.setOutput(static_cast<int64_t*>(v.ptr), v.count); break;
       }
       opts.setReduceFunction(fn);
-      opts.setTimeout(timeout_);
+      opts.setTimeout(op_timeout());
       gloo::allreduce(opts);
     });
   }
@@ -566,7 +566,7 @@ class StorelessContext {
       gloo::BroadcastOptions opts(ctx);
       opts.setOutput(static_cast<uint8_t*>(ptr), nbytes);
       opts.setRoot(root);
-      opts.setTimeout(timeout_);
+      opts.setTimeout(op_timeout());
       gloo::broadcast(opts);
     });
   }
@@ -588,7 +588,7 @@ class StorelessContext {
       gloo::AllgatherOptions opts(ctx);
       opts.setInput(static_cast<uint8_t*>(in_ptr), in_bytes);
       opts.setOutput(static_cast<uint8_t*>(out_ptr), out_bytes);
-      opts.setTimeout(timeout_);
+      opts.setTimeout(op_timeout());
       gloo::allgather(opts);
     });
   }
@@ -596,7 +596,7 @@ class StorelessContext {
   void barrier() {
     run([&](const std::shared_ptr<gloo::Context>& ctx) {
       gloo::BarrierOptions opts(ctx);
-      opts.setTimeout(timeout_);
+      opts.setTimeout(op_timeout());
       gloo::barrier(opts);
     });
   }
@@ -624,7 +624,10 @@ class StorelessContext {
   int size() const { return size_; }
   uint32_t generation() const { return generation_; }
   const std::vector<std::pair<std::string, int>>& peers() const { return peers_; }
-  double timeout() const { return timeout_.count() / 1000.0; }
+  double timeout() const { return timeout_ms_.load() / 1000.0; }
+  // The op timeout of ops posted from now on (ProcessGroupGloo's setTimeout); any thread.
+  void set_timeout(double seconds) { timeout_ms_ = to_ms(seconds, "timeout").count(); }
+  std::chrono::milliseconds op_timeout() const { return std::chrono::milliseconds(timeout_ms_.load()); }
   double connect_timeout() const { return options_.connectTimeout.count() / 1000.0; }
   bool connected() const { return connected_; }
 
@@ -669,7 +672,7 @@ class StorelessContext {
     const size_t nbytes = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
     auto ctx = connected_context();
     auto req = std::make_unique<P2PRequest>(ctx, pending_, std::move(info), is_send, peer, tag,
-                                            timeout_);
+                                            op_timeout());
     without_gil([&] { req->post(ptr, nbytes); });
     return req;
   }
@@ -723,7 +726,7 @@ class StorelessContext {
   const int size_;
   const uint32_t generation_;
   const std::vector<std::pair<std::string, int>> peers_;
-  std::chrono::milliseconds timeout_{0};
+  std::atomic<int64_t> timeout_ms_{0};   // read by ops on other threads; set_timeout may change it
   gloo::transport::StorelessOptions options_;
 
   std::mutex state_;  // guards the fields below (never held while blocking)
@@ -879,6 +882,8 @@ Every blocking method releases the GIL; abort() may be called from any thread.
       .def_property_readonly("generation", &StorelessContext::generation)
       .def_property_readonly("peers", &StorelessContext::peers)
       .def_property_readonly("timeout", &StorelessContext::timeout)
+      .def("set_timeout", &StorelessContext::set_timeout, py::arg("seconds"),
+           "Op timeout, in seconds, of every op posted from now on (an op in flight keeps its own).")
       .def_property_readonly("connect_timeout", &StorelessContext::connect_timeout)
       .def_property_readonly("connected", &StorelessContext::connected)
       .def_property_readonly("aborted", &StorelessContext::aborted)
