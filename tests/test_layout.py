@@ -90,3 +90,49 @@ def test_a_device_no_engine_serves_is_named_with_the_fix():
     assert "hpct doctor" in msg
     assert checks.device("broadcast", [torch.zeros(1)], {"cpu": None}) == "cpu"
     assert checks.device("barrier", [], {"cpu": None}) == "cpu"
+
+
+ROUTING = r'''
+import datetime, os, torch
+import hpct.distributed as hd
+from hpct.ports import free_port_block
+os.environ["HPCT_PORT_BASE"] = str(free_port_block(16))
+
+
+class Recorder:                      # an engine for the "meta" device that records its calls
+    device_type, failure = "meta", None
+    def __init__(self): self.calls = []
+    def allreduce(self, tensors, op): self.calls.append(("allreduce", len(tensors))); return "meta-work"
+    def start_coalescing(self): self.calls.append(("start",))
+    def end_coalescing(self): self.calls.append(("end",)); return "group-work"
+    def set_timeout(self, s): self.calls.append(("timeout", s))
+    def abort(self, reason): self.calls.append(("abort",))
+    def shutdown(self, timeout): self.calls.append(("shutdown",))
+
+
+hd.init_process_group(rank=0, world_size=1)
+pg = hd.live_groups()[0]
+rec = Recorder()
+pg.attach(rec)
+assert pg.allreduce([torch.zeros(2, device="meta")]) == "meta-work"
+try:
+    pg.allreduce([torch.zeros(1, device="meta"), torch.zeros(1, device="meta")])
+    raise SystemExit("several tensors per rank were taken on a non-CPU engine")
+except hd.HpctArgumentError as err:
+    assert "requires a single-element tensor list on meta" in str(err), err
+pg._start_coalescing(torch.device("meta"))
+assert pg._end_coalescing(torch.device("meta")) == "group-work"
+pg._set_default_timeout(datetime.timedelta(seconds=7))
+assert pg.context.timeout == 7.0 and pg.options._timeout == datetime.timedelta(seconds=7)
+t = torch.ones(3)
+pg.allreduce([t]).wait()                     # the CPU engine still serves CPU tensors
+assert t.tolist() == [1.0, 1.0, 1.0]
+hd.shutdown_all()
+print(rec.calls)
+'''
+
+
+def test_the_facade_routes_by_device_type_and_runs_the_lifecycle_on_every_engine():
+    out = subprocess.run([sys.executable, "-P", "-c", ROUTING], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == ("[('allreduce', 1), ('start',), ('end',), ('timeout', 7.0), ('shutdown',)]")

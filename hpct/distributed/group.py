@@ -150,17 +150,17 @@ class HpctProcessGroup(dist.ProcessGroup):
 
     # torch's _coalescing_manager(device=...) brackets ops this way; an engine that batches
     # (NCCL: one group) takes the bracket, any other device keeps torch's own behaviour.
-    def _start_coalescing(self, device):
+    def _batching(self, device):
         engine = self._engines.get(torch.device(device).type)
-        if not hasattr(engine, "start_coalescing"):
-            return super()._start_coalescing(device)
-        engine.start_coalescing()
+        return engine if hasattr(engine, "start_coalescing") else None
+
+    def _start_coalescing(self, device):
+        engine = self._batching(device)
+        return engine.start_coalescing() if engine else super()._start_coalescing(device)
 
     def _end_coalescing(self, device):
-        engine = self._engines.get(torch.device(device).type)
-        if not hasattr(engine, "end_coalescing"):
-            return super()._end_coalescing(device)
-        return engine.end_coalescing()
+        engine = self._batching(device)
+        return engine.end_coalescing() if engine else super()._end_coalescing(device)
 
     # ---- lifecycle ------------------------------------------------------------------------
     def abort(self, reason: str = "aborted by the application") -> None:
