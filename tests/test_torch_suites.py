@@ -46,10 +46,7 @@ KNOWN = {
         "test_send_recv_any_source_autograd_profiler": UNSUPPORTED_ANY_SOURCE,
         "test_send_recv_any_source_torch_profiler": UNSUPPORTED_ANY_SOURCE,
     },
-    "c10d_gloo": {
-        "test_set_gloo_pg_timeout": "the op timeout of an hpct group is fixed at creation; "
-                                    "_set_default_timeout is refused with that message",
-    },
+    "c10d_gloo": {},
 }
 
 
