@@ -1,8 +1,8 @@
 # Sourced by ci/main.sh and ci/test.sh.  Picks the Python that hpct is built, installed,
 # tested and run with, and exports it as PYTHON (ci/setup.sh installs into that one).
 #
-# In order: $PYTHON when set; an activated virtual environment; python3 on PATH unless
-# the OS manages it (Debian's refuses pip installs, PEP 668); pyenv's python3.  A login
+# In order: $PYTHON when set; an activated virtual environment; the first python3 on PATH
+# that the OS does not manage (Debian's refuses pip installs, PEP 668); pyenv's python3.  A login
 # shell may list /usr/bin before pyenv's shims, so "python3 on PATH" alone is not enough.
 
 hpct_os_managed() {   # true when pip may not install into interpreter $1
@@ -20,7 +20,14 @@ hpct_pick_python() {
   elif [ -n "${VIRTUAL_ENV:-}" ] && [ -x "$VIRTUAL_ENV/bin/python" ]; then
     p=$VIRTUAL_ENV/bin/python
   else
-    p=$(command -v python3 || true)
+    # The first python3 on PATH that pip may install into: a PATH that lists /usr/bin before
+    # pyenv's shims (a clean shell's) must not stop at Debian's.
+    local c
+    p=""
+    while IFS= read -r c; do
+      if ! hpct_os_managed "$c"; then p=$c; break; fi
+      [ -n "$p" ] || p=$c
+    done < <(type -ap python3 2>/dev/null)
     if { [ -z "$p" ] || hpct_os_managed "$p"; } && command -v pyenv >/dev/null 2>&1; then
       p=$(pyenv which python3 2>/dev/null || echo "$p")
     fi

@@ -68,6 +68,19 @@ def test_ci_picks_a_python_pip_may_install_into():
 
 
 @pytest.mark.unit
+def test_ci_skips_an_os_managed_python_listed_before_the_shims():
+    # A clean shell with pyenv's shims after /usr/bin and pyenv itself off PATH (the check
+    # every developer runs before stopping): the shim's python3 is the one pip may use.
+    root = pyenv_root()
+    if root is None or not Path("/usr/bin/python3").exists():
+        pytest.skip("needs pyenv and a /usr/bin/python3")
+    proc = in_clean_env(". ci/python.sh; hpct_pick_python; echo \"$PYTHON\"", REPO, 120,
+                        {"PATH": f"/usr/local/bin:/usr/bin:/bin:{root}/shims"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"{root}/shims/python3"
+
+
+@pytest.mark.unit
 def test_ci_honours_python_and_refuses_an_os_managed_one(tmp_path):
     import sys
     proc = python_sh("hpct_pick_python; echo \"$PYTHON\"", {"PYTHON": sys.executable})
