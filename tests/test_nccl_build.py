@@ -559,3 +559,51 @@ def test_math_headers_for_a_cuda_without_pins_name_the_fix(tmp_path):
         cuda.cuda_math_headers(Layout(tmp_path), "12.8", Progress(quiet=True))
     assert "no math wheels are pinned for CUDA 12.8" in err.value.problem
     assert "CUDA_PINS" in err.value.fix
+
+
+def _torch_accepts(wheel: Path, requirement: str) -> bool:
+    """Whether torch's requirement (as in its metadata) accepts this wheel's name and version."""
+    from packaging.requirements import Requirement
+    from packaging.utils import parse_wheel_filename
+    name, version, _, _ = parse_wheel_filename(wheel.name)
+    req = Requirement(requirement)
+    return req.name == name and req.specifier.contains(version, prereleases=True)
+
+
+@pytest.mark.unit
+def test_the_cu12_wheel_keeps_torch_2_6_0s_pin(stand_in_wheel):
+    from hpct.builder.nccl_wheel import TORCH_PINS
+    torch_version, requirement = TORCH_PINS[VERSION]
+    assert torch_version == "torch==2.6.0" and _torch_accepts(stand_in_wheel, requirement)
+    # The check is real: another version or another CUDA's distribution is refused.
+    assert not _torch_accepts(stand_in_wheel, "nvidia-nccl-cu12==2.21.6")
+    assert not _torch_accepts(stand_in_wheel, "nvidia-nccl-cu13==2.21.5")
+
+
+@pytest.mark.unit
+def test_the_2_30_7_wheel_is_nvidia_nccl_cu13_and_keeps_torch_2_14_1s_pin(scratch_root, tmp_path):
+    from hpct.builder.nccl_wheel import TORCH_PINS
+    prefix = stand_in_prefix(tmp_path)
+    stamp = json.loads((prefix / "hpct-series.json").read_text())
+    (prefix / "hpct-series.json").write_text(json.dumps({**stamp, "version": "2.30.7", "cuda": "13.0"}))
+    proc = run_cli("hpct-build", "wheel", "nccl=2.30.7", "--root", str(scratch_root), "--prefix", str(prefix),
+                   "--dist", str(tmp_path / "dist"), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    wheel = Path(proc.stdout.strip().splitlines()[-1])
+    assert wheel.name.startswith(f"nvidia_nccl_cu13-2.30.7+hpct.{SERIES}-py3-none-manylinux_")
+    with zipfile.ZipFile(wheel) as z:
+        meta = z.read(f"nvidia_nccl_cu13-2.30.7+hpct.{SERIES}.dist-info/METADATA").decode()
+        assert "nvidia/nccl/lib/libnccl.so.2" in z.namelist()
+    assert "Name: nvidia-nccl-cu13\n" in meta and "CUDA 13.0" in meta
+    torch_version, requirement = TORCH_PINS["2.30.7"]
+    assert torch_version == "torch==2.14.1" and _torch_accepts(wheel, requirement)
+    # A 2.21.5 build is not packaged as 2.30.7, and an unpinned version is named with the pins.
+    stamp_230 = (prefix / "hpct-series.json").read_text()
+    (prefix / "hpct-series.json").write_text(json.dumps({**stamp, "version": "2.21.5"}))
+    proc = run_cli("hpct-build", "wheel", "nccl=2.30.7", "--root", str(scratch_root), "--prefix", str(prefix),
+                   "--dist", str(tmp_path / "dist"), timeout=300)
+    assert proc.returncode != 0 and "holds NCCL 2.21.5, this wheel is for 2.30.7" in proc.stderr
+    (prefix / "hpct-series.json").write_text(stamp_230)
+    proc = run_cli("hpct-build", "wheel", "nccl=2.99.0", "--root", str(scratch_root), "--prefix", str(prefix),
+                   timeout=300)
+    assert proc.returncode != 0 and "nccl version '2.99.0' is not pinned (pinned: 2.21.5, 2.30.7)" in proc.stderr

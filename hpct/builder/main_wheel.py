@@ -15,8 +15,8 @@ COMPONENTS = ("hpct", "nccl")
 def configure_parser(p: argparse.ArgumentParser) -> None:
     add_root(p)
     p.add_argument("component", nargs="?", default="hpct", metavar="COMPONENT",
-                   help="hpct (default): the hpct wheel; nccl: the patched NCCL build as a drop-in "
-                        "nvidia-nccl-cu12 wheel")
+                   help="hpct (default): the hpct wheel; nccl[=VERSION]: the patched NCCL build as a "
+                        "drop-in NVIDIA wheel (2.21.5: nvidia-nccl-cu12; 2.30.7: nvidia-nccl-cu13)")
     p.add_argument("--install", action="store_true",
                    help="pip install this interpreter's wheel into it (without --python: build only that one)")
     p.add_argument("--python", action="append", default=None, metavar="PYTHON",
@@ -29,14 +29,16 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 
 def execute(args: argparse.Namespace) -> int:
-    if args.component not in COMPONENTS:
-        raise ConfigError(f"no wheel for {args.component!r}", fix=f"build one of: {', '.join(COMPONENTS)}")
+    component, _, version = args.component.partition("=")
+    if component not in COMPONENTS or (version and component != "nccl"):
+        raise ConfigError(f"no wheel for {args.component!r}",
+                          fix=f"build one of: hpct, nccl, nccl=VERSION")
     layout, progress = layout_of(args), progress_of(args)
-    if args.component == "nccl":
+    if component == "nccl":
         if args.python or args.sdist:
             raise ConfigError("--python and --sdist apply to the hpct wheel only", fix="drop them")
         from .nccl_wheel import build_nccl_wheel, install
-        wheel = build_nccl_wheel(layout, progress, prefix=args.prefix, dist=args.dist)
+        wheel = build_nccl_wheel(layout, progress, prefix=args.prefix, dist=args.dist, version=version or None)
         if args.install:
             install(wheel, progress)
         print(wheel)

@@ -1,10 +1,14 @@
-"""``hpct-build wheel nccl``: the patched libnccl as a drop-in ``nvidia-nccl-cu12`` wheel.
+"""``hpct-build wheel nccl[=VERSION]``: the patched libnccl as a drop-in NVIDIA NCCL wheel.
+
+Each pin of third_party/nccl.toml names the distribution its wheel replaces (2.21.5:
+``nvidia-nccl-cu12``, which torch 2.6.0 requires; 2.30.7: ``nvidia-nccl-cu13``, torch 2.14.1's)
+and the CUDA runtime it needs.
 
 The wheel has the layout of NVIDIA's (``nvidia/nccl/lib/libnccl.so.2``,
 ``nvidia/nccl/include/``, empty namespace ``__init__.py`` files), so PyTorch's
 wheels, whose libraries look for NCCL at ``$ORIGIN/../../nvidia/nccl/lib``, load
-it without LD_PRELOAD.  Its version is ``2.21.5+hpct.<series id>``: the local label
-still satisfies torch's ``nvidia-nccl-cu12==2.21.5`` and says which series it
+it without LD_PRELOAD.  Its version is ``<version>+hpct.<series id>``: the local label
+still satisfies torch's ``==<version>`` (TORCH_PINS below) and says which series it
 carries; ``nvidia/nccl/hpct-series.json`` records the rest.
 """
 
@@ -23,7 +27,10 @@ from .layout import Layout
 from .progress import Progress
 from .sources import load_manifest
 
-DIST_NAME = "nvidia-nccl-cu12"          # the distribution torch's metadata requires
+# What torch's CUDA wheels require, per NCCL pin (their metadata, read 2026-11): the wheel must
+# satisfy it, and tests/test_nccl_build.py checks that it does.
+TORCH_PINS = {"2.21.5": ("torch==2.6.0", "nvidia-nccl-cu12==2.21.5"),
+              "2.30.7": ("torch==2.14.1", "nvidia-nccl-cu13==2.30.7")}
 SERIES_RECORD = "nvidia/nccl/hpct-series.json"
 ROOTLESS_SYMBOLS = ("ncclCommInitRankRootless", "ncclRootlessUniqueId")   # nccl_rootless.h
 HEADERS = ("nccl.h", "nccl_net.h", "nccl_rootless.h")
@@ -51,10 +58,17 @@ def _stamp(prefix: Path) -> dict:
     return info
 
 
+def dist_name(m) -> str:
+    """The distribution a pin's wheel replaces (the one torch's metadata requires)."""
+    return m.extra.get("wheel", "nvidia-nccl-cu12")
+
+
 def build_nccl_wheel(layout: Layout, progress: Progress, prefix: Path | None = None,
-                     dist: Path | None = None) -> Path:
+                     dist: Path | None = None, version: str | None = None) -> Path:
     """Package ``prefix`` (default: hpct's NCCL build) into ``dist`` (default: ``dist/``)."""
-    m = load_manifest(layout, "nccl")
+    m = load_manifest(layout, "nccl", version)
+    name = dist_name(m)
+    stem = name.replace("-", "_")
     default = layout.build(m.name, m.version) / "install"
     prefix = Path(prefix) if prefix is not None else default
     info = _stamp(prefix)
@@ -93,7 +107,7 @@ def build_nccl_wheel(layout: Layout, progress: Progress, prefix: Path | None = N
               "cuda_archs": info.get("cuda_archs"), "funcs": info.get("funcs"),
               "rootless_exports": exports, "platform_tag": platform,
               "glibc_required": ".".join(map(str, elf.max_version("GLIBC") or ())) or None,
-              "needs_libcudart": "libcudart.so.12" in elf.needed_versions or None}
+              "needs_libcudart": m.extra.get("cudart", "libcudart.so.12") in elf.needed_versions or None}
     files: list[tuple[str, bytes, int]] = [
         ("nvidia/__init__.py", b"", 0o644), ("nvidia/nccl/__init__.py", b"", 0o644),
         ("nvidia/nccl/include/__init__.py", b"", 0o644), ("nvidia/nccl/lib/__init__.py", b"", 0o644),
@@ -101,10 +115,10 @@ def build_nccl_wheel(layout: Layout, progress: Progress, prefix: Path | None = N
         ("nvidia/nccl/lib/libnccl.so.2", lib.read_bytes(), 0o755),
         (SERIES_RECORD, (json.dumps(record, indent=2) + "\n").encode(), 0o644),
     ]
-    distinfo = f"nvidia_nccl_cu12-{version}.dist-info"
+    distinfo = f"{stem}-{version}.dist-info"
     if (prefix / "LICENSE.txt").is_file():
         files.append((f"{distinfo}/LICENSE.txt", (prefix / "LICENSE.txt").read_bytes(), 0o644))
-    files += [(f"{distinfo}/METADATA", _metadata(version, info, record).encode(), 0o644),
+    files += [(f"{distinfo}/METADATA", _metadata(m, version, info, record).encode(), 0o644),
               (f"{distinfo}/WHEEL", (f"Wheel-Version: 1.0\nGenerator: hpct-build\nRoot-Is-Purelib: false\n"
                                      f"Tag: py3-none-{platform}\n").encode(), 0o644),
               (f"{distinfo}/top_level.txt", b"nvidia\n", 0o644)]
@@ -114,7 +128,7 @@ def build_nccl_wheel(layout: Layout, progress: Progress, prefix: Path | None = N
 
     dist = Path(dist) if dist is not None else layout.root / "dist"
     dist.mkdir(parents=True, exist_ok=True)
-    wheel = dist / f"nvidia_nccl_cu12-{version}-py3-none-{platform}.whl"
+    wheel = dist / f"{stem}-{version}-py3-none-{platform}.whl"
     tmp = wheel.with_name(f".{wheel.name}.tmp")
     progress.step(f"writing {wheel.name} (series {info['series_id']}, {platform})")
     try:
@@ -131,18 +145,18 @@ def build_nccl_wheel(layout: Layout, progress: Progress, prefix: Path | None = N
     return wheel
 
 
-def _metadata(version: str, info: dict, record: dict) -> str:
-    cuda = info.get("cuda") or "12.4"
+def _metadata(m, version: str, info: dict, record: dict) -> str:
+    cuda = info.get("cuda") or m.extra.get("cuda", "12.4")
     archs = ",".join(info.get("cuda_archs") or []) or "?"
-    lines = ["Metadata-Version: 2.1", f"Name: {DIST_NAME}", f"Version: {version}",
+    lines = ["Metadata-Version: 2.1", f"Name: {dist_name(m)}", f"Version: {version}",
              f"Summary: NCCL {record['nccl_version']} built by hpct-build with patch series "
              f"{info['series_id']} (rootless ncclCommInitRankRootless)",
              "Home-page: https://github.com/NVIDIA/nccl", "License: BSD-3-Clause",
              "Requires-Python: >=3"]
     if record.get("needs_libcudart"):
-        # Built with CUDARTLIB=cudart: libcudart.so.12 comes from the runtime wheel, which
-        # torch's CUDA wheels require anyway; the library's RUNPATH points there.
-        lines.append(f"Requires-Dist: nvidia-cuda-runtime-cu12>={cuda}")
+        # Built with CUDARTLIB=cudart: libcudart comes from the runtime wheel, which torch's
+        # CUDA wheels require anyway; the library's RUNPATH points there.
+        lines.append(f"Requires-Dist: {m.extra.get('cudart_dist', 'nvidia-cuda-runtime-cu12')}>={cuda}")
     lines += ["", f"NCCL {record['nccl_version']} for CUDA {cuda} (sm {archs}"
               f"{', collectives: ' + info['funcs'] if info.get('funcs') else ''}), "
               f"patch series {info['series_id']}: {', '.join(record['patches']) or 'none'}.", ""]
@@ -150,11 +164,11 @@ def _metadata(version: str, info: dict, record: dict) -> str:
 
 
 def wheel_files(layout: Layout) -> list[Path]:
-    return sorted((layout.root / "dist").glob("nvidia_nccl_cu12-*.whl"))
+    return sorted((layout.root / "dist").glob("nvidia_nccl_cu1*-*.whl"))
 
 
 def install(wheel: Path, progress: Progress) -> None:
-    """pip install the wheel in place of any nvidia-nccl-cu12; its one dependency, the CUDA
+    """pip install the wheel in place of NVIDIA's; its one dependency, the CUDA
     runtime wheel, comes with torch's CUDA wheels, so pip is not asked to resolve anything."""
     import subprocess
     import sys
