@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -607,3 +608,62 @@ def test_the_2_30_7_wheel_is_nvidia_nccl_cu13_and_keeps_torch_2_14_1s_pin(scratc
     proc = run_cli("hpct-build", "wheel", "nccl=2.99.0", "--root", str(scratch_root), "--prefix", str(prefix),
                    timeout=300)
     assert proc.returncode != 0 and "nccl version '2.99.0' is not pinned (pinned: 2.21.5, 2.30.7)" in proc.stderr
+
+
+# ---------------------------------------------------------------- integration: NCCL 2.30.7 (torch 2.14.1's)
+
+NEW_PIN = "2.30.7"
+
+
+@pytest.fixture(scope="session")
+def real_build_230() -> Path:
+    """NCCL 2.30.7 with the series, SendRecv only, one arch, CUDA 13.0 (CUDA_HOME or /usr/local/cuda)."""
+    sources = os.environ.get("HPCT_NCCL_SOURCES")
+    fetched = (REPO / "third_party" / "src" / f"nccl-{NEW_PIN}" / SOURCE_STAMP).is_file()
+    if not fetched and not (sources and (Path(sources) / f"nccl-{NEW_PIN}-1.tar.gz").is_file()):
+        pytest.skip(f"needs nccl-{NEW_PIN}-1.tar.gz: set HPCT_NCCL_SOURCES to the folder of NCCL tag tarballs")
+    cuda_home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+    nvcc = Path(cuda_home) / "bin" / "nvcc"
+    version = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=60).stdout \
+        if nvcc.is_file() else ""
+    if "release 13.0" not in version:
+        pytest.skip(f"NCCL {NEW_PIN} builds with CUDA 13.0: no nvcc 13.0 at {nvcc} (set CUDA_HOME)")
+    env = {**OFFLINE, "CUDA_HOME": cuda_home, "HPCT_NCCL_SOURCES": sources or ""}
+    started = time.monotonic()
+    proc = run_cli("hpct-build", "build", f"nccl={NEW_PIN}", "--funcs", "SendRecv", "--cuda-arch", "80",
+                   "--root", str(REPO), env=env, timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    print(f"\nNCCL {NEW_PIN} (SendRecv, sm_80) built in {time.monotonic() - started:.0f} s")
+    return REPO / "third_party" / "build" / f"nccl-{NEW_PIN}" / "install"
+
+
+@pytest.mark.slow
+def test_real_2_30_7_build_is_rootless_loads_and_keeps_the_glibc_floor(real_build_230):
+    lib = real_build_230 / "lib" / "libnccl.so.2"
+    assert {"ncclGetVersion", "ncclCommInitRankRootless", "ncclRootlessUniqueId"} <= dynamic_symbols(lib)
+    elf = read_elf(lib)
+    assert elf.soname == "libnccl.so.2" and "libcudart.so.13" in elf.needed_versions
+    glibc = elf.max_version("GLIBC")
+    assert glibc is not None and glibc <= (2, 28), f"libnccl needs GLIBC_{'.'.join(map(str, glibc))}"
+    # It loads (libcudart.so.13 from the toolkit) and reports its version without a GPU.
+    code = ("import ctypes; l = ctypes.CDLL(%r); v = ctypes.c_int(); "
+            "assert l.ncclGetVersion(ctypes.byref(v)) == 0; print(v.value)") % str(lib)
+    cuda_lib = Path(os.environ.get("CUDA_HOME") or "/usr/local/cuda") / "lib64"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "LD_LIBRARY_PATH": str(cuda_lib)})
+    assert out.returncode == 0 and out.stdout.strip() == "23007", out.stderr
+
+
+@pytest.mark.slow
+def test_real_2_30_7_build_becomes_a_cu13_wheel_torch_2_14_1_accepts(real_build_230, tmp_path):
+    from hpct.builder.nccl_wheel import TORCH_PINS
+    proc = run_cli("hpct-build", "wheel", f"nccl={NEW_PIN}", "--root", str(REPO), "--dist", str(tmp_path),
+                   timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    wheel = Path(proc.stdout.strip().splitlines()[-1])
+    platform = wheel.name.rsplit("-", 1)[1].removesuffix(".whl")
+    floor = tuple(int(x) for x in platform.split("_")[1:3])
+    assert platform.startswith("manylinux_") and floor <= (2, 28), platform
+    assert _torch_accepts(wheel, TORCH_PINS[NEW_PIN][1])
+    with zipfile.ZipFile(wheel) as z:
+        assert "nvidia/nccl/include/nccl_rootless.h" in z.namelist()
