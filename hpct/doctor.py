@@ -331,34 +331,38 @@ def _elf_exports_text(path: str) -> str:
     return f"; its symbol table {'exports' if has else 'has no'} {ROOTLESS_SYMBOL}"
 
 
-NCCL_DIST = "nvidia-nccl-cu12"
+# The distributions a pip torch's libnccl comes from: CUDA 12 wheels (torch <= 2.8) and CUDA 13
+# ones (torch 2.14.1 pins nvidia-nccl-cu13==2.30.7); hpct's drop-in wheels take the same names.
+NCCL_DISTS = ("nvidia-nccl-cu12", "nvidia-nccl-cu13")
 NCCL_SERIES_RECORD = ("nvidia", "nccl", "hpct-series.json")   # written by `hpct-build wheel nccl`
 
 
 def check_nccl_wheel(probe: Probe) -> list[Row]:
-    """The nvidia-nccl-cu12 distribution that holds the libnccl a pip PyTorch loads: NVIDIA's,
-    or hpct's build (version 2.21.5+hpct.<series>, with its series record).  No row without one."""
+    """The nvidia-nccl-cu12/cu13 distribution that holds the libnccl a pip PyTorch loads: NVIDIA's,
+    or hpct's build (version <nccl>+hpct.<series>, with its series record).  No row without one."""
     for entry in probe.sys_path:
         site = Path(entry or ".")
         if not (site / "nvidia" / "nccl" / "lib" / "libnccl.so.2").is_file():
             continue
-        dist = next(iter(importlib.metadata.distributions(name=NCCL_DIST, path=[str(site)])), None)
+        dist = next((d for name in NCCL_DISTS
+                     for d in importlib.metadata.distributions(name=name, path=[str(site)])), None)
         version = dist.version if dist is not None else "unknown version (no metadata)"
+        dist_name = dist.metadata["Name"] if dist is not None else "nvidia-nccl"
         label = version.partition("+")[2]
         record_path = site.joinpath(*NCCL_SERIES_RECORD)
         if not label.startswith("hpct.") and not record_path.exists():
-            return [Row("nccl wheel", "info", f"{NCCL_DIST} {version} in {site}: NVIDIA's build, "
+            return [Row("nccl wheel", "info", f"{dist_name} {version} in {site}: NVIDIA's build, "
                                               "no hpct series")]
         fix = "reinstall it: hpct-build wheel nccl, then pip install the wheel it prints"
         try:
             record = json.loads(record_path.read_text())
             series = str(record["series_id"])
         except (OSError, ValueError, KeyError, TypeError) as err:
-            return [Row("nccl wheel", "warn", f"{NCCL_DIST} {version} in {site}: its series record "
+            return [Row("nccl wheel", "warn", f"{dist_name} {version} in {site}: its series record "
                                               f"{record_path.name} is unreadable ({type(err).__name__})", fix)]
         patches = [str(p) for p in record.get("patches") or []]
         archs = ",".join(str(a) for a in record.get("cuda_archs") or []) or "?"
-        detail = (f"{NCCL_DIST} {version} in {site}: hpct series {series}, {len(patches)} patches"
+        detail = (f"{dist_name} {version} in {site}: hpct series {series}, {len(patches)} patches"
                   f"{' (' + ', '.join(patches) + ')' if patches else ''}, CUDA {record.get('cuda', '?')}, "
                   f"sm {archs}, collectives {record.get('funcs') or 'all'}")
         if label != f"hpct.{series}":

@@ -453,14 +453,14 @@ def rows_by_name_json(proc) -> dict:
 
 # ---------------------------------------------------------------- the nccl wheel row (hpct-build wheel nccl)
 
-def _nccl_site(site: Path, version: str | None, record: dict | str | None) -> Path:
-    """A site-packages holding an nvidia-nccl-cu12 install: metadata, library, series record."""
+def _nccl_site(site: Path, version: str | None, record: dict | str | None, cuda: str = "cu12") -> Path:
+    """A site-packages holding an nvidia-nccl-cu12 (or cu13) install: metadata, library, series record."""
     (site / "nvidia" / "nccl" / "lib").mkdir(parents=True)
     (site / "nvidia" / "nccl" / "lib" / "libnccl.so.2").write_bytes(b"")
     if version is not None:
-        info = site / f"nvidia_nccl_cu12-{version}.dist-info"
+        info = site / f"nvidia_nccl_{cuda}-{version}.dist-info"
         info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: nvidia-nccl-cu12\nVersion: {version}\n")
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: nvidia-nccl-{cuda}\nVersion: {version}\n")
     if record is not None:
         text = record if isinstance(record, str) else json.dumps(record)
         (site / "nvidia" / "nccl" / "hpct-series.json").write_text(text)
@@ -560,3 +560,16 @@ def test_live_doctor_json_has_the_nccl_fields():
     doc = json.loads(proc.stdout)
     assert doc["schema_version"] == 1 and set(doc["nccl"]) == {"torch", "hpct", "torch_pin"}
     assert "nccl for hpct" in [c["check"] for c in doc["checks"]]
+
+
+@pytest.mark.unit
+def test_nccl_wheel_row_for_torch_2_14_1s_cu13_wheel(tmp_path):
+    record = {"series_id": "n13", "patches": ["0001-init.patch", "0002-bootstrap.patch"], "cuda": "13.0",
+              "cuda_archs": ["90"], "funcs": None}
+    hpct = _nccl_site(tmp_path / "hpct", "2.30.7+hpct.n13", record, cuda="cu13")
+    assert doctor.check_nccl_wheel(Probe(sys_path=[str(hpct)])) == [Row(
+        "nccl wheel", "ok", f"nvidia-nccl-cu13 2.30.7+hpct.n13 in {hpct}: hpct series n13, 2 patches "
+                            "(0001-init.patch, 0002-bootstrap.patch), CUDA 13.0, sm 90, collectives all")]
+    stock = _nccl_site(tmp_path / "stock", "2.30.7", None, cuda="cu13")
+    assert doctor.check_nccl_wheel(Probe(sys_path=[str(stock)])) == [Row(
+        "nccl wheel", "info", f"nvidia-nccl-cu13 2.30.7 in {stock}: NVIDIA's build, no hpct series")]
