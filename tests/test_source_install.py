@@ -46,6 +46,13 @@ def test_the_wheel_carries_the_series_its_extension_was_built_with():
     assert (INSTALLED_INPUTS / "build_scripts" / "gloo.cmake").is_file()
     series = load_series(layout, load_manifest(layout, "gloo"))
     assert series.identity() == _gloo.series_id()
+    # NCCL's series are applied over the shared ring core: every pin's project files come along,
+    # found in the installed inputs (no checkout is needed to patch NCCL).
+    for version in ("2.21.5", "2.30.7"):
+        nccl = load_series(layout, load_manifest(layout, "nccl", version))
+        assert nccl.project_files, version
+        for rel, path in nccl.project_files:
+            assert path.is_file() and INSTALLED_INPUTS in path.parents, (version, rel, path)
 
 
 @pytest.mark.unit
