@@ -1,11 +1,12 @@
-"""Collectives: all_reduce and all_gather, hpct vs stock ProcessGroupGloo, same ranks, same run.
+"""Collectives: hpct vs stock ProcessGroupGloo, same ranks, same run.
 
 Every rank holds both groups: hpct's world (rootless) and a ProcessGroupGloo made through
 a FileStore, and times the same op on the same float32 buffer on each, alternating.
 Latency is the median over iterations (after one warm-up); bandwidth is the algorithm
-bandwidth (message size / latency; for all_gather the per-rank input size).
+bandwidth (message size / latency).  The size is each rank's input (all_reduce, all_gather,
+all_to_all_single, gather, reduce_scatter_tensor) or output (scatter); roots are rank 0.
 
-    python benchmarks/collectives.py [--n 2,4] [--sizes 4,65536,1048576,16777216,67108864]
+    python benchmarks/collectives.py [--n 2,4] [--sizes 4,65536,1048576,16777216,67108864] [--ops ...]
 """
 
 from __future__ import annotations
@@ -20,12 +21,37 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions  # noqa: E402
+from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions, AllToAllOptions,  # noqa: E402
+                                        GatherOptions, ReduceScatterOptions, ScatterOptions)
 
 import hpct.distributed as hd  # noqa: E402
 from hpct.demo import measure as _bench  # noqa: E402
 
 SIZES = [4, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
+OPS = ("all_reduce", "all_gather", "all_to_all_single", "gather", "scatter", "reduce_scatter")
+
+
+def op_call(op: str, pg, rank: int, n: int, numel: int):
+    """A callable running ``op`` once on ``pg`` over float32 buffers made here, returning its Work."""
+    x = torch.ones(numel)
+    if op == "all_reduce":
+        return lambda: pg.allreduce([x], AllreduceOptions())
+    if op == "all_gather":
+        gathered = torch.empty(numel * n)
+        return lambda: pg._allgather_base(gathered, x, AllgatherOptions())
+    if op == "all_to_all_single":
+        out = torch.empty(numel)
+        return lambda: pg.alltoall_base(out, x, [], [], AllToAllOptions())
+    if op == "gather":
+        outs = [[torch.empty(numel) for _ in range(n)]] if rank == 0 else []
+        return lambda: pg.gather(outs, [x], GatherOptions())
+    if op == "scatter":
+        ins = [[torch.ones(numel) for _ in range(n)]] if rank == 0 else []
+        return lambda: pg.scatter([x], ins, ScatterOptions())
+    if op == "reduce_scatter":
+        out = torch.empty(numel // n)
+        return lambda: pg._reduce_scatter_base(out, x, ReduceScatterOptions())
+    raise SystemExit(f"collectives.py: unknown op {op!r}; choose from {', '.join(OPS)}")
 
 
 def label(nbytes: int) -> str:
@@ -39,7 +65,7 @@ def iterations(nbytes: int, budget: float) -> int:
     return max(3, min(200, int(budget / (1e-4 + nbytes / 2e8))))
 
 
-def rank_fn(rank, n, base, store_path, sizes, budget):
+def rank_fn(rank, n, base, store_path, sizes, budget, ops):
     _bench.hpct_env(rank, n, base)
     hd.init_process_group(timeout=300)
     hp = dist.group.WORLD
@@ -47,24 +73,18 @@ def rank_fn(rank, n, base, store_path, sizes, budget):
     gl = dist.ProcessGroupGloo(store, rank, n, datetime.timedelta(seconds=300))
     out = {}
     for nbytes in sizes:
-        numel = max(nbytes // 4, 1)
-        x = torch.ones(numel)
-        gathered = torch.empty(numel * n)
+        numel = -(-max(nbytes // 4, 1) // n) * n       # a multiple of n: all_to_all and reduce_scatter split it
         iters = iterations(nbytes * n, budget)
-        for op in ("all_reduce", "all_gather"):
+        for op in ops:
+            calls = {"hpct": op_call(op, hp, rank, n, numel), "gloo": op_call(op, gl, rank, n, numel)}
             times = {"hpct": [], "gloo": []}
             for i in range(iters + 1):
                 for name, pg in (("hpct", hp), ("gloo", gl)):
-                    gl_barrier = pg.barrier()
-                    gl_barrier.wait()
+                    pg.barrier().wait()
                     t0 = time.perf_counter()
-                    if op == "all_reduce":
-                        pg.allreduce([x], AllreduceOptions()).wait()
-                    else:
-                        pg._allgather_base(gathered, x, AllgatherOptions()).wait()
+                    calls[name]().wait()
                     if i:
                         times[name].append(time.perf_counter() - t0)
-                    x.fill_(1)
             out[f"{op}/{nbytes}"] = {k: _bench.median(v) for k, v in times.items()}
     try:
         dist.barrier()
@@ -79,18 +99,23 @@ def main(argv=None) -> int:
     ap.add_argument("--n", default="2,4")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="message sizes in bytes")
     ap.add_argument("--budget", type=float, default=1.0, help="target seconds per (op, size, backend)")
+    ap.add_argument("--ops", default=",".join(OPS), help=f"comma list of: {', '.join(OPS)}")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
+    ops = args.ops.split(",")
+    unknown = [op for op in ops if op not in OPS]
+    if unknown:
+        ap.error(f"unknown op {unknown[0]!r}: choose from {', '.join(OPS)}")
     rows = []
     for n in [int(x) for x in args.n.split(",")]:
         with tempfile.TemporaryDirectory() as tmp:
             ranks = _bench.Ranks(deadline_s=600)
             base = _bench.free_port_block(8 * n)
             for r in range(n):
-                ranks.fork(r, rank_fn, r, n, base, os.path.join(tmp, "store"), sizes, args.budget)
+                ranks.fork(r, rank_fn, r, n, base, os.path.join(tmp, "store"), sizes, args.budget, ops)
             res = ranks.collect()
         _bench.check(res, f"N={n}")
-        for op in ("all_reduce", "all_gather"):
+        for op in ops:
             for nbytes in sizes:
                 key = f"{op}/{nbytes}"
                 h = max(res[r][key]["hpct"] for r in range(n))

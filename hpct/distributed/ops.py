@@ -186,19 +186,69 @@ def reduce_scatter_(ctx, out: torch.Tensor, inputs: list[torch.Tensor], op) -> N
     out.copy_(flat[ctx.rank * n:(ctx.rank + 1) * n].reshape(out.shape))
 
 
-def alltoall_bytes(ctx, chunks: list) -> list:
-    """chunks[j] (uint8 tensors) goes to rank j; returns what each rank sent here."""
-    n = ctx.size
-    lens = torch.tensor([c.numel() for c in chunks], dtype=torch.int64)
-    table = torch.stack(allgather_tensor(ctx, lens))            # table[src][dst]
-    payload = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
-    rows = allgather_varlen(ctx, payload)
-    me = ctx.rank
-    got = []
-    for src in range(n):
-        start = int(table[src, :me].sum())
-        got.append(rows[src][start:start + int(table[src, me])])
-    return got
+# Point-to-point collectives (all_to_all, gather, scatter) use one tag above every
+# application tag and apart from monitor.py's and slots.py's.  One tag is enough: the
+# group's collectives run one at a time, in the same order on every rank, and the context
+# delivers the messages of one (peer, tag) in the order they were posted.
+EXCHANGE_TAG = (1 << 30) + 64
+NONE = -1     # "no tensor for that peer" in the size table
+
+
+def exchange(ctx, sends: list, recvs: list) -> tuple[dict[int, int], set[int]]:
+    """Send ``sends[j]`` to rank j and receive ``recvs[j]`` from rank j (contiguous tensors or
+    None), every message posted at once; this rank's own pair is a local copy.
+
+    A small size table goes first (one allgather of 2 x N integers per rank), so each pair
+    moves only its own bytes and only where both sides agree on the size.  Returns the pairs
+    that disagree, for the caller to report: {source rank: bytes it sent} for this rank's
+    receives, and the ranks that expected another size than this rank sends.  Nothing moves
+    for those pairs, and every other pair completes.
+    """
+    n, me = ctx.size, ctx.rank
+    nbytes = [[NONE if t is None else t.numel() * t.element_size() for t in row] for row in (sends, recvs)]
+    table = allgather_tensor(ctx, torch.tensor(nbytes, dtype=torch.int64))   # [rank][send/recv][peer]
+    wrong: dict[int, int] = {}
+    requests = []
+    for j in range(n):
+        sent_to_me, expected = int(table[j][0][me]), nbytes[1][j]
+        if j == me or expected == NONE:
+            continue
+        if sent_to_me != expected:
+            wrong[j] = max(sent_to_me, 0)
+        elif expected:
+            requests.append(ctx.irecv(as_bytes(recvs[j]), j, EXCHANGE_TAG))
+    refused = set()
+    for j in range(n):
+        if j == me or nbytes[0][j] == NONE:
+            continue
+        if int(table[j][1][me]) != nbytes[0][j]:
+            refused.add(j)
+        elif nbytes[0][j]:
+            requests.append(ctx.isend(as_bytes(sends[j]), j, EXCHANGE_TAG))
+    if recvs[me] is not None and sends[me] is not None:
+        if nbytes[0][me] != nbytes[1][me]:
+            wrong[me] = nbytes[0][me]
+        elif nbytes[1][me]:
+            recvs[me].copy_(sends[me])
+    for request in requests:
+        request.wait(ctx.timeout)
+    return wrong, refused
+
+
+def _receive_into(targets: list):
+    """Contiguous uint8 views to receive into, and a finish() that copies staged ones back."""
+    staged = [None if t is None else _contig(t) for t in targets]
+
+    def finish():
+        for t, s in zip(targets, staged):
+            if t is not None and s is not t:
+                t.copy_(s)
+    return [None if s is None else byte_view(s) for s in staged], finish
+
+
+def _size_error(what: str, targets: list, wrong: dict[int, int]) -> ValueError:
+    j = min(wrong)
+    return ValueError(f"{what} holds {targets[j].numel() * targets[j].element_size()} bytes, received {wrong[j]}")
 
 
 def split_rows(t: torch.Tensor, sizes, n: int) -> list[torch.Tensor]:
@@ -213,54 +263,49 @@ def split_rows(t: torch.Tensor, sizes, n: int) -> list[torch.Tensor]:
     return list(torch.split(t, list(sizes), dim=0))
 
 
-def _copy_received(targets: list[torch.Tensor], got: list[torch.Tensor], what: str) -> None:
-    """Copy each peer's bytes into its target tensor; a size mismatch is the caller's error."""
-    for dst, data in zip(targets, got):
-        if dst.numel() * dst.element_size() != data.numel():
-            raise ValueError(f"{what} holds {dst.numel() * dst.element_size()} bytes, "
-                             f"received {data.numel()}")
-        if data.numel():
-            dst.copy_(data.view(dst.dtype).reshape(dst.shape))
+def _all_to_all(ctx, outs: list[torch.Tensor], ins: list[torch.Tensor], what: str) -> None:
+    recvs, finish = _receive_into(outs)
+    wrong, _ = exchange(ctx, [byte_view(_contig(x)) for x in ins], recvs)
+    finish()
+    if wrong:
+        raise _size_error(what, outs, wrong)
 
 
 def all_to_all_single_(ctx, out, inp, out_splits, in_splits) -> None:
     n = ctx.size
-    got = alltoall_bytes(ctx, [byte_view(_contig(c)) for c in split_rows(inp, in_splits, n)])
-    _copy_received(split_rows(out, out_splits, n), got, "all_to_all_single: an output split")
+    _all_to_all(ctx, split_rows(out, out_splits, n), split_rows(inp, in_splits, n),
+                "all_to_all_single: an output split")
 
 
 def alltoall_(ctx, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
-    got = alltoall_bytes(ctx, [byte_view(_contig(x)) for x in ins])
-    _copy_received(outs, got, "all_to_all: an output tensor")
+    _all_to_all(ctx, outs, ins, "all_to_all: an output tensor")
 
 
 def gather_(ctx, outs: list[torch.Tensor] | None, inp: torch.Tensor, root: int) -> None:
-    rows = allgather_varlen(ctx, byte_view(_contig(inp)))
-    if ctx.rank == root:
-        for dst, data in zip(outs, rows):
-            if data.numel():
-                dst.copy_(data.view(dst.dtype).reshape(dst.shape))
+    """Every rank's ``inp`` into the root's ``outs``: only the root receives."""
+    n = ctx.size
+    sends = [byte_view(_contig(inp)) if j == root else None for j in range(n)]
+    recvs, finish = _receive_into(outs if ctx.rank == root else [None] * n)
+    wrong, _ = exchange(ctx, sends, recvs)
+    finish()
+    if wrong:
+        raise _size_error("gather: an output tensor", outs, wrong)
 
 
 def scatter_(ctx, out: torch.Tensor, ins: list[torch.Tensor] | None, root: int) -> None:
+    """The root's ``ins[j]`` into rank j's ``out``: each rank receives its part only."""
     n = ctx.size
-    nbytes = out.numel() * out.element_size()
-    sizes = [int(x.item()) for x in allgather_tensor(ctx, torch.tensor([nbytes], dtype=torch.int64))]
-    total = sum(sizes)
-    buf = torch.empty(total, dtype=torch.uint8)
-    if ctx.rank == root:
-        if len(ins) != n:
-            raise ValueError(f"scatter: root needs {n} input tensors, got {len(ins)}")
-        parts = [byte_view(_contig(x)) for x in ins]
-        if [p.numel() for p in parts] != sizes:
-            raise ValueError("scatter: input sizes at the root do not match the output sizes")
-        if total:
-            buf.copy_(torch.cat(parts))
-    if total:
-        ctx.broadcast(as_bytes(buf), root)
-    start = sum(sizes[:ctx.rank])
-    if nbytes:
-        out.copy_(buf[start:start + nbytes].view(out.dtype).reshape(out.shape))
+    if ctx.rank == root and len(ins) != n:
+        raise ValueError(f"scatter: root needs {n} input tensors, got {len(ins)}")
+    sends = [byte_view(_contig(x)) for x in ins] if ctx.rank == root else [None] * n
+    targets = [out if j == root else None for j in range(n)]
+    recvs, finish = _receive_into(targets)
+    wrong, refused = exchange(ctx, sends, recvs)
+    finish()
+    if refused or (ctx.rank == root and wrong):
+        raise ValueError("scatter: input sizes at the root do not match the output sizes")
+    if wrong:
+        raise _size_error("scatter: the output tensor", targets, wrong)
 
 
 def isend_(ctx, t: torch.Tensor, dst: int, tag: int):
