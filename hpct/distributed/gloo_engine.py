@@ -254,6 +254,9 @@ class GlooEngine:
     def recv(self, tensors, src, tag):
         return self._p2p(f"recv from rank {src}", tensors, src, tag, ops.irecv_)
 
+    def recv_anysource(self, tensors, tag):
+        return self._p2p("recv from any source", tensors, -1, tag, ops.irecv_any_)
+
     def _p2p(self, what, tensors, peer, tag, post):
         with self._lock:
             closed, failure = self._closed, self._failure

@@ -379,7 +379,12 @@ class HpctProcessGroup(dist.ProcessGroup):
         return engine
 
     def recv_anysource(self, tensors, tag=0):
-        raise NotImplementedError("the hpct backend has no recv from any source; pass src=")
+        engine = self._p2p("recv from any source", tensors, -1, tag)
+        checks.single("recv from any source", tensors, "tensor list")
+        if not hasattr(engine, "recv_anysource"):
+            checks.fail("recv from any source", f"{engine.device_type} tensors have no receive from any "
+                        "source (NCCL has none)", "pass src=, or receive a CPU tensor")
+        return engine.recv_anysource(tensors, tag)
 
 
 class _Options:

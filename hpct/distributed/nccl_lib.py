@@ -326,7 +326,8 @@ class NcclLibrary:
         info, uid = spec.info(), UniqueId()
         self.check(self.call(ROOTLESS_ID_SYMBOL, ctypes.byref(info), nranks, ctypes.byref(uid)),
                    "ncclRootlessUniqueId")
-        return bytes(uid.internal)
+        # All 128 bytes: reading the c_char array field would stop at the first NUL byte.
+        return ctypes.string_at(ctypes.addressof(uid), ctypes.sizeof(uid))
 
     def comm_init_rootless(self, nranks: int, rank: int, spec: RootlessSpec, *, blocking: bool = False):
         """Start creating a rootless communicator on the current CUDA device.

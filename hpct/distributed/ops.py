@@ -322,6 +322,12 @@ def irecv_(ctx, t: torch.Tensor, src: int, tag: int):
     return ctx.irecv(as_bytes(work), src, tag), (None if work is t else lambda: t.copy_(work))
 
 
+def irecv_any_(ctx, t: torch.Tensor, src: int, tag: int):
+    """Post a receive into ``t`` from whichever rank sends first (``src`` is ignored); as irecv_."""
+    work = _contig(t)
+    return ctx.irecv_any(as_bytes(work), tag), (None if work is t else lambda: t.copy_(work))
+
+
 def allgather_many(ctx, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Every rank's copies of ``tensors`` as ``[rank][i]``, in one allgather.
 

@@ -119,6 +119,11 @@ class HpctP2PWork(HpctWork):
         self._start_waiter()
         return self._raw.done()
 
+    def _source_rank(self):
+        """The rank a receive's message came from (what torch asks after recv(src=None))."""
+        self.wait()
+        return self._requests[0][0].source
+
     def get_future(self):
         self._start_waiter()
         return self._fut

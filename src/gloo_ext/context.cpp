@@ -238,11 +238,13 @@ std::chrono::milliseconds to_ms(double seconds, const char* what) {
 // buffer.
 class P2PRequest {
  public:
+  // peer < 0 with sources: a receive from whichever of `sources` sends first (any source).
   P2PRequest(std::shared_ptr<gloo::Context> ctx, std::shared_ptr<std::atomic<int>> pending,
              py::buffer_info info, bool is_send, int peer, uint32_t tag,
-             std::chrono::milliseconds timeout)
+             std::chrono::milliseconds timeout, std::vector<int> sources = {})
       : ctx_(std::move(ctx)), pending_(std::move(pending)), info_(std::move(info)),
-        is_send_(is_send), peer_(peer), tag_(tag), timeout_(timeout) {
+        is_send_(is_send), peer_(peer), tag_(tag), timeout_(timeout), sources_(std::move(sources)),
+        source_(peer) {
     (*pending_)++;
   }
 
@@ -256,6 +258,8 @@ class P2PRequest {
     ubuf_ = ctx_->createUnboundBuffer(ptr, nbytes);
     if (is_send_) {
       ubuf_->send(peer_, p2p_slot(tag_));
+    } else if (!sources_.empty()) {
+      ubuf_->recv(sources_, p2p_slot(tag_));
     } else {
       ubuf_->recv(peer_, p2p_slot(tag_));
     }
@@ -273,7 +277,9 @@ class P2PRequest {
           if (is_send_) {
             ubuf_->waitSend(limit);
           } else {
-            ubuf_->waitRecv(limit);
+            int from = peer_;
+            ubuf_->waitRecv(&from, limit);
+            source_ = from;
           }
         } catch (...) {
           error_ = std::current_exception();
@@ -291,6 +297,8 @@ class P2PRequest {
   }
   bool is_send() const { return is_send_; }
   int peer() const { return peer_; }
+  // The rank the message came from (a receive from any source knows it once waited for).
+  int source() const { return source_; }
   uint32_t tag() const { return tag_; }
   size_t nbytes() const { return static_cast<size_t>(info_.size) * info_.itemsize; }
 
@@ -303,6 +311,8 @@ class P2PRequest {
   const int peer_;
   const uint32_t tag_;
   const std::chrono::milliseconds timeout_;
+  const std::vector<int> sources_;
+  int source_;
   std::mutex m_;
   bool finished_ = false;
   std::exception_ptr error_;
@@ -610,6 +620,16 @@ class StorelessContext {
     return post(std::move(buf), src, tag, false);
   }
 
+  // Any source: every other rank may send it (ProcessGroupGloo's recvAnysource).
+  std::unique_ptr<P2PRequest> irecv_any(py::buffer buf, uint32_t tag) {
+    std::vector<int> sources;
+    for (int r = 0; r < size_; r++) {
+      if (r != rank_) sources.push_back(r);
+    }
+    if (sources.empty()) throw py::value_error("a receive from any source needs another rank");
+    return post(std::move(buf), -1, tag, false, std::move(sources));
+  }
+
   void send(py::buffer buf, int dst, uint32_t tag) {
     isend(std::move(buf), dst, tag)->wait(py::none());
   }
@@ -665,14 +685,15 @@ class StorelessContext {
   // Point-to-point operations do not take the one-op-at-a-time lock: they
   // only post to the device thread, which runs them beside a collective
   // (their slots never meet a collective's), and are waited on later.
-  std::unique_ptr<P2PRequest> post(py::buffer buf, int peer, uint32_t tag, bool is_send) {
-    check_peer(peer, is_send ? "dst" : "src");
+  std::unique_ptr<P2PRequest> post(py::buffer buf, int peer, uint32_t tag, bool is_send,
+                                   std::vector<int> sources = {}) {
+    if (sources.empty()) check_peer(peer, is_send ? "dst" : "src");
     py::buffer_info info = buf.request(!is_send);
     void* ptr = info.ptr;
     const size_t nbytes = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
     auto ctx = connected_context();
     auto req = std::make_unique<P2PRequest>(ctx, pending_, std::move(info), is_send, peer, tag,
-                                            op_timeout());
+                                            op_timeout(), std::move(sources));
     without_gil([&] { req->post(ptr, nbytes); });
     return req;
   }
@@ -805,6 +826,8 @@ op timeout does).  wait() may be called again: it repeats the first outcome.
                              "True once wait() returned successfully.")
       .def_property_readonly("is_send", &P2PRequest::is_send)
       .def_property_readonly("peer", &P2PRequest::peer)
+      .def_property_readonly("source", &P2PRequest::source,
+                             "The sender's rank (for a receive from any source: once waited for).")
       .def_property_readonly("tag", &P2PRequest::tag)
       .def_property_readonly("nbytes", &P2PRequest::nbytes);
 
@@ -875,6 +898,9 @@ Every blocking method releases the GIL; abort() may be called from any thread.
       .def("irecv", &StorelessContext::irecv, py::arg("buffer"), py::arg("src"),
            py::arg("tag") = 0,
            "Post a receive into a writable buffer from rank src and return a Request at once.")
+      .def("irecv_any", &StorelessContext::irecv_any, py::arg("buffer"), py::arg("tag") = 0,
+           "Post a receive from whichever other rank sends with this tag first; the Request's "
+           "source names it once waited for.")
       .def_property_readonly("pending_p2p", &StorelessContext::pending_p2p,
                              "Point-to-point requests posted and not yet waited for.")
       .def_property_readonly("rank", &StorelessContext::rank)
