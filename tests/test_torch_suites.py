@@ -33,7 +33,6 @@ WORKER = Path(__file__).with_name("torch_suite_worker.py")
 TEST_TIMEOUT_S = 60          # the harness's per-test bound (DISTRIBUTED_TESTS_DEFAULT_TIMEOUT)
 SUITE_TIMEOUT_S = 420        # one suite, one backend
 
-UNSUPPORTED_ANY_SOURCE = "recv from any source: hpct's Gloo context has no any-source receive; refused at the call"
 KNOWN = {
     "generic": {
         "test_get_backend": "get_backend() names the backend: 'hpct', not 'gloo'",
@@ -42,9 +41,6 @@ KNOWN = {
         "test_monitored_barrier_gloo_subgroup": "as test_monitored_barrier_gloo",
         "test_monitored_barrier_gloo_rank_0_timeout": "with a zero timeout hpct names the missing peer, Gloo "
                                                       "says rank 0 timed out",
-        "test_send_recv_any_source": UNSUPPORTED_ANY_SOURCE,
-        "test_send_recv_any_source_autograd_profiler": UNSUPPORTED_ANY_SOURCE,
-        "test_send_recv_any_source_torch_profiler": UNSUPPORTED_ANY_SOURCE,
     },
     "c10d_gloo": {},
 }
