@@ -55,7 +55,16 @@ def patched_nccl() -> str:
     if not built:
         pytest.skip("no patched libnccl: set HPCT_NCCL_LIBRARY, or build one (python -m hpct.builder "
                     "build nccl) so that third_party/build/nccl-<ver>/install/lib/libnccl.so.2 exists")
-    return built[-1]
+    # Newest first; one whose CUDA runtime this machine lacks (libcudart.so.12 for 2.21.5 where
+    # only CUDA 13 is installed) cannot be loaded here, and says so.
+    why = []
+    for path in reversed(built):
+        try:
+            nccl_lib.NcclLibrary(path, how="built")
+            return path
+        except nccl_lib.NcclLibraryError as err:
+            why.append(str(err).splitlines()[0])
+    pytest.skip("no built libnccl loads on this machine: " + "; ".join(why))
 
 
 # ---------------------------------------------------------------- the stock library
