@@ -159,15 +159,15 @@ def polled():
     return buf
 case("polled", polled)
 
-if backend == "hpct":
-    def unsupported_recv_any_source():
-        t0 = time.monotonic()
-        try:
-            dist.recv(torch.zeros(5))
-            return "completed"
-        except Exception as err:  # noqa: BLE001
-            return [type(err).__name__, str(err), time.monotonic() - t0]
-    case("hpct/recv_any_source", unsupported_recv_any_source)
+def recv_any_source():
+    """Odd ranks send to their even peer, which receives from any source and names the sender."""
+    if rank % 2:
+        dist.send(values(rank, peer, salt=9), peer)
+        return "sent"
+    buf = torch.zeros(5)
+    src = dist.recv(buf)
+    return [src, buf]
+case("recv_any_source", recv_any_source)
 
 dist.barrier()
 torch.save({"results": res, "times": times}, os.path.join(out, f"{backend}-{rank}.pt"))
@@ -218,6 +218,7 @@ def expected(rank: int, n: int) -> dict:
         "around_a_collective": [values(prv, rank, salt=3), torch.tensor([float(n * (n - 1) // 2)])],
         "blocking_pairs": values(peer, rank, salt=4),
         "polled": values(peer, rank, salt=7),
+        "recv_any_source": "sent" if rank % 2 else [peer, values(peer, rank, salt=9)],
     }
 
 
@@ -249,12 +250,3 @@ def test_p2p_orders_complete_like_gloo(runs):
             if hpct[r]["times"][name] > CASE_LIMIT_S:
                 problems.append(f"rank {r} {name}: took {hpct[r]['times'][name]:.1f} s")
     assert not problems, "\n".join(problems[:30])
-
-
-def test_unsupported_p2p_raises_at_once(runs):
-    """recv from any source stays unsupported: it raises at the call, naming the fix."""
-    world, _, hpct = runs
-    for r in range(world):
-        name, message, seconds = hpct[r]["results"]["hpct/recv_any_source"]
-        assert name == "NotImplementedError" and "pass src=" in message, (name, message)
-        assert seconds < 1.0

@@ -35,8 +35,9 @@ VERSION = "2.21.5"
 # No network and no toolchain from the environment unless a test asks for one.
 OFFLINE = {"CUDA_HOME": "", "HTTPS_PROXY": "http://127.0.0.1:1", "https_proxy": "http://127.0.0.1:1",
            "HPCT_NCCL_SOURCE": "", "HPCT_NCCL_SOURCES": ""}
-SOURCE_HINT = ("set HPCT_NCCL_SOURCE=<nccl-2.21.5-1 tarball or tree> (or run `hpct-build fetch nccl "
-               "--source PATH` in the checkout) to build the real NCCL")
+SOURCE_HINT = ("set HPCT_NCCL_SOURCES=<folder of NCCL tag tarballs> or HPCT_NCCL_SOURCE=<nccl-2.21.5-1 "
+               "tarball or tree> (or run `hpct-build fetch nccl --source PATH` in the checkout) to build "
+               "the real NCCL")
 
 
 def build(root: Path, *args: str, env: dict | None = None, timeout: float = 300):
@@ -479,10 +480,14 @@ def test_the_wheel_replaces_nvidias_and_doctor_tells_them_apart(stand_in_wheel, 
 
 @pytest.fixture(scope="session")
 def nccl_source() -> str | None:
-    """HPCT_NCCL_SOURCE, or None when the checkout has already fetched NCCL; skip otherwise."""
+    """HPCT_NCCL_SOURCE (or the tarball in HPCT_NCCL_SOURCES), or None when the checkout has
+    already fetched NCCL; skip otherwise."""
     given = os.environ.get("HPCT_NCCL_SOURCE")
     if given:
         return given
+    folder = os.environ.get("HPCT_NCCL_SOURCES")
+    if folder and (Path(folder) / f"nccl-{VERSION}-1.tar.gz").is_file():
+        return str(Path(folder) / f"nccl-{VERSION}-1.tar.gz")
     if (REPO / "third_party" / "src" / f"nccl-{VERSION}" / SOURCE_STAMP).is_file():
         return None
     pytest.skip(SOURCE_HINT)
