@@ -215,7 +215,11 @@ ncclResult_t runSteps(const Args& a, int rank, const ncclBootstrapHandle* stockH
     comm->nRanks = n;
     comm->abortFlag = abortFlag;
     ncclBootstrapHandle handle = *stockHandle;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 23, 0)
+    NCCLCHECK(bootstrapInit(1, &handle, comm, NULL));   // 2.23+: several roots' handles, a parent
+#else
     NCCLCHECK(bootstrapInit(&handle, comm));
+#endif
   }
   double t = nowMs();
   o->initMs = t - startMs;
@@ -323,7 +327,11 @@ int main(int argc, char** argv) {
   }
   ncclBootstrapHandle handle;
   memset(&handle, 0, sizeof(handle));
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 23, 0)
+  if (a.mode == "stock" && bootstrapGetUniqueId(&handle, NULL) != ncclSuccess) {   // NULL: not a grow
+#else
   if (a.mode == "stock" && bootstrapGetUniqueId(&handle) != ncclSuccess) {
+#endif
     fprintf(stderr, "bootstrap_harness: bootstrapGetUniqueId failed: %s\n", ncclLastError);
     return 3;
   }

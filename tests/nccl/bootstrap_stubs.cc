@@ -18,6 +18,11 @@
 #include "hpct_rootless_comm.h"
 #include "proxy.h"
 #include "socket.h"
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 30, 0)
+#include <mutex>
+#include "env.h"
+#include "ras.h"
+#endif
 
 // ---- CUDA runtime: debug.cc asks for the device of every log line; the rootless entry point
 // asks once.  There is no device: report device 0 and refuse everything else.
@@ -39,12 +44,41 @@ const char* cudaGetErrorString(cudaError_t) { return "no CUDA runtime in hpct's 
 
 ncclResult_t ncclCudaLibraryInit(void) { return ncclSuccess; }
 
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 30, 0)
+// 2.30's headers and os/linux.cc refer to these; nothing on the bootstrap path calls them with a GPU.
+extern "C" {
+cudaError_t cudaGetLastError(void) { return cudaSuccess; }
+cudaError_t cudaSetDevice(int) { return cudaErrorNoDevice; }
+cudaError_t cudaHostRegister(void*, size_t, unsigned int) { return cudaErrorNoDevice; }
+cudaError_t cudaHostUnregister(void*) { return cudaErrorNoDevice; }
+cudaError_t cudaHostGetDevicePointer(void**, void*, unsigned int) { return cudaErrorNoDevice; }
+cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode*) { return cudaSuccess; }
+}
+
+// init.cc's: the environment plugin initialised once, as NCCL does before reading parameters.
+static std::once_flag hpctEnvOnce;
+static ncclResult_t hpctEnvResult = ncclSuccess;
+ncclResult_t ncclInitEnv() {
+  std::call_once(hpctEnvOnce, [] { hpctEnvResult = ncclEnvPluginInit(); });
+  return hpctEnvResult;
+}
+int ncclParamSetCpuStackSize() { return 0; }   // os/linux.cc's extern (init.cc's NCCL_PARAM)
+
+// RAS (2.30 joins every comm at bootstrap): not part of what the harness measures.
+ncclResult_t ncclRasCommInit(struct ncclComm*, struct rasRankInit*) { return ncclSuccess; }
+ncclResult_t ncclRasAddRanks(struct rasRankInit*, int) { return ncclSuccess; }
+#endif
+
 // ---- Group bracket: the harness never queues work, so leaving the outermost group just
 // reports (and clears) the error recorded inside it.
 __thread int ncclGroupDepth = 0;
 __thread ncclResult_t ncclGroupError = ncclSuccess;
 
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 23, 0)
+ncclResult_t ncclGroupEndInternal(ncclSimInfo_t*) {
+#else
 ncclResult_t ncclGroupEndInternal() {
+#endif
   if (ncclGroupDepth <= 0) return ncclInvalidUsage;
   if (--ncclGroupDepth > 0) return ncclSuccess;
   ncclResult_t ret = ncclGroupError;
@@ -75,8 +109,14 @@ ncclResult_t ncclProxyInit(struct ncclComm*, struct ncclSocket* sock, union nccl
 // ---- The part of comm creation the bootstrap depends on: a zeroed comm with rank, size,
 // an abort flag and a blocking config, the pending rootless addresses attached exactly as
 // init.cc attaches them, then bootstrapInit with the identity the caller computed.
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 23, 0)
+ncclResult_t hpctCommInitRankDev(ncclComm_t* newcomm, int nranks, ncclUniqueId* commIdPtr, int myrank, int cudaDev,
+                                 ncclConfig_t*) {
+  ncclUniqueId commId = *commIdPtr;
+#else
 ncclResult_t hpctCommInitRankDev(ncclComm_t* newcomm, int nranks, ncclUniqueId commId, int myrank, int cudaDev,
                                  ncclConfig_t*) {
+#endif
   struct ncclComm* comm = (struct ncclComm*)calloc(1, sizeof(struct ncclComm));
   uint32_t* abortFlag = (uint32_t*)calloc(1, sizeof(uint32_t));
   if (comm == NULL || abortFlag == NULL) return ncclSystemError;
@@ -91,5 +131,9 @@ ncclResult_t hpctCommInitRankDev(ncclComm_t* newcomm, int nranks, ncclUniqueId c
     fprintf(stderr, "bootstrap_stubs: hpctRootlessAttach did not mark the comm rootless\n");
     return ncclInternalError;
   }
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 23, 0)
+  return bootstrapInit(1, &commId, comm, NULL);
+#else
   return bootstrapInit((struct ncclBootstrapHandle*)&commId, comm);
+#endif
 }
