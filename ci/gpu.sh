@@ -80,4 +80,9 @@ fi
 # ---- 4. the proof
 mkdir -p "$REPORT_DIR"
 export NCCL_SOCKET_IFNAME=lo GPU_PROOF_RANKS="$RANKS" GPU_PROOF_REPORT="$REPORT_DIR"
-"$PY" -P -m pytest -m gpu tests/gpu -v -p no:cacheprovider
+rc=0
+"$PY" -P -m pytest -m gpu tests/gpu -v -p no:cacheprovider || rc=$?
+# The one table of the run (docs/gpu.md records it with the date and the machine).
+echo "==== GPU proof report ($(date -u +%Y-%m-%dT%H:%MZ), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1))"
+cat "$REPORT_DIR"/timing-*.txt "$REPORT_DIR"/busbw-*.txt "$REPORT_DIR"/ddp-*.txt 2>/dev/null || true
+exit $rc

@@ -101,8 +101,12 @@ def build_gloo(layout: Layout, m: Manifest, progress: Progress, tests: bool = Fa
     shutil.rmtree(staging, ignore_errors=True)
     # Gloo installs to absolute ${CMAKE_INSTALL_PREFIX} paths (so --prefix cannot
     # relocate it): configure the staging prefix itself, then rename it into place.
+    # Gloo's messages carry __FILE__: name the tree by version, not by this machine's path,
+    # so users read [gloo-5354032/gloo/...] and two builds of one series are byte-identical.
+    prefix_map = f"-ffile-prefix-map={src}={m.name}-{m.version}"
     run_logged([tools["cmake"], "-G", "Ninja", "-S", src, "-B", obj, "-C", recipe,
-                f"-DBUILD_TEST={'ON' if tests else 'OFF'}", f"-DCMAKE_INSTALL_PREFIX={staging}"],
+                f"-DBUILD_TEST={'ON' if tests else 'OFF'}", f"-DCMAKE_INSTALL_PREFIX={staging}",
+                f"-DCMAKE_CXX_FLAGS={prefix_map}"],
                log, progress, "cmake configure", env=env)
     run_logged([tools["ninja"], "-C", obj, f"-j{jobs or os.cpu_count() or 2}"], log, progress, "ninja", env=env)
     run_logged([tools["cmake"], "--install", obj], log, progress, "install", env=env)

@@ -24,12 +24,14 @@ RANKS = [int(n) for n in os.environ.get("GPU_PROOF_RANKS", "2 4").split()]
 def run_ranks(n: int, mode: str, timeout: float = 120.0) -> list[str]:
     base = free_port_block(16 * n)                         # both blocks of the plan (8 slots each)
     master = free_port_block(1, avoid=range(base, base + 16 * n))
+    master2 = free_port_block(1, avoid=[*range(base, base + 16 * n), master])   # stock's recovery store
     procs = []
     for r in range(n):
         env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r),
                "LOCAL_WORLD_SIZE": str(n), "N_PROC_PER_NODE": str(n), "HPCT_PORT_BASE": str(base),
                "NCCL_HOSTID": f"hpct-gpu-proof-{r}", "NCCL_SOCKET_IFNAME": "lo",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "GPU_PROOF_MODE": mode}
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "MASTER_PORT_2": str(master2),
+               "GPU_PROOF_MODE": mode}
         procs.append(subprocess.Popen([sys.executable, "-P", str(WORKER)], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outs = []
@@ -58,6 +60,16 @@ def test_bus_bandwidth_table(n):
     report = Path(os.environ.get("GPU_PROOF_REPORT", "build/gpu-proof"))
     report.mkdir(parents=True, exist_ok=True)
     (report / f"busbw-{n}.txt").write_text(table)
+
+
+@pytest.mark.parametrize("n", RANKS)
+def test_start_up_recovery_and_latency_table(n):
+    outs = run_ranks(n, "timing")
+    table = next((o for o in outs if "TIMING" in o), "")
+    assert table.count(f"TIMING n={n}") == 5, outs
+    report = Path(os.environ.get("GPU_PROOF_REPORT", "build/gpu-proof"))
+    report.mkdir(parents=True, exist_ok=True)
+    (report / f"timing-{n}.txt").write_text(table)
 
 
 # DDP on CUDA through the hpct backend (its NCCL engine) against torch's own NCCL, and the

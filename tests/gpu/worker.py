@@ -105,5 +105,44 @@ elif mode == "bandwidth":
         size <<= 2
     if rank == 0:
         print("\n".join(lines), flush=True)
+elif mode == "timing":
+    # One table, same run: start-up (above), in-process recovery and 4 B latency, stock vs hpct.
+    # Stock recovery is what a job does without hpct: destroy the group, a new TCPStore on
+    # rank 0, init again, first collective.  hpct's: abort the communicator, a new one at the
+    # next generation from the plan (no store, no root), first collective.
+    def latency(fn, iters=200):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / iters * 1e6
+    tiny = torch.ones(1, device=dev)
+    lat = (latency(lambda: dist.all_reduce(tiny)), latency(lambda: eng.allreduce([tiny], R.SUM).wait()))
+    t0 = time.perf_counter()
+    dist.destroy_process_group()
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT_2']}", rank=rank,
+                            world_size=n, timeout=datetime.timedelta(seconds=60), device_id=dev)
+    dist.all_reduce(tiny)
+    torch.cuda.synchronize()
+    stock_recover = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    eng.abort("recovery timing")
+    eng.shutdown(10.0)
+    eng = engine_for_group(cfg, name="0", index=0, slot=0, group_rank=rank, global_ranks=list(range(n)),
+                           generation=1, op_timeout=60.0)
+    eng.allreduce([tiny], R.SUM).wait()
+    torch.cuda.synchronize()
+    hpct_recover = time.perf_counter() - t0
+    rows = [("start-up to first collective, s", stock_start, hpct_start),
+            ("in-process recovery to first collective, s", stock_recover, hpct_recover),
+            ("all_reduce 4 B, us per op", *lat)]
+    lines = [f"TIMING n={n}  {'what':44s} {'stock':>10s} {'hpct':>10s}  hpct/stock"]
+    lines += [f"TIMING n={n}  {w:44s} {a:10.4f} {b:10.4f}  {b / a:8.2f}" for w, a, b in rows]
+    lines.append(f"TIMING n={n}  4 B: hpct is {lat[1] - lat[0]:+.1f} us per op against stock (target <= +30)")
+    if rank == 0:
+        print("\n".join(lines), flush=True)
 eng.shutdown(10.0)
 dist.destroy_process_group()
