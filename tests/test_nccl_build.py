@@ -257,8 +257,9 @@ def test_cuda_headers_compile_with_gxx(cuda_include, tmp_path):
 
 # ---------------------------------------------------------------- wheel nccl from a stand-in library
 
-def stand_in_prefix(tmp_path: Path, series: str = SERIES, rootless: bool = True) -> Path:
-    """An install prefix shaped like `build nccl`'s, around a tiny libnccl.so.2 built here."""
+def stand_in_prefix(tmp_path: Path, series: str = SERIES, rootless: bool = True, floor: bool = True) -> Path:
+    """An install prefix shaped like `build nccl`'s, around a tiny libnccl.so.2 built here; with
+    ``floor``, linked with the glibc floor as `build nccl` links the real one."""
     cxx = shutil.which("g++") or pytest.fail("g++ is missing: apt-get install g++")
     prefix = tmp_path / "prefix"
     (prefix / "lib").mkdir(parents=True)
@@ -271,8 +272,14 @@ def stand_in_prefix(tmp_path: Path, series: str = SERIES, rootless: bool = True)
                       if rootless else "")
                    + "void* hpctTouch(void*(*f)(void*)) { pthread_t t; pthread_create(&t, 0, f, 0); return 0; }\n}\n")
     lib = prefix / "lib" / "libnccl.so.2.21.5"
-    subprocess.run([cxx, "-shared", "-fPIC", "-Wl,-soname,libnccl.so.2", "-o", str(lib), str(src), "-lpthread"],
-                   check=True, timeout=120, capture_output=True)
+    cmd = [cxx, "-shared", "-fPIC", "-Wl,-soname,libnccl.so.2", "-o", str(lib), str(src)]
+    if floor:
+        from hpct.builder.nccl import GLIBC_FLOOR, glibc_floor_wraps
+        obj = tmp_path / "floor.o"
+        subprocess.run([shutil.which("cc") or cxx, "-O2", "-fPIC", "-c", str(REPO / GLIBC_FLOOR), "-o", str(obj)],
+                       check=True, timeout=120, capture_output=True)
+        cmd += [f"-Wl,--wrap={name}" for name in glibc_floor_wraps(REPO / GLIBC_FLOOR)] + [str(obj)]
+    subprocess.run(cmd + ["-lpthread"], check=True, timeout=120, capture_output=True)
     os.symlink(lib.name, prefix / "lib" / "libnccl.so.2")
     os.symlink("libnccl.so.2", prefix / "lib" / "libnccl.so")
     (prefix / "include" / "nccl.h").write_text("#define NCCL_MAJOR 2\n#define NCCL_MINOR 21\n#define NCCL_PATCH 5\n")
@@ -304,9 +311,9 @@ def stand_in_wheel(scratch_root, tmp_path) -> Path:
 def test_wheel_name_layout_metadata_and_record(stand_in_wheel, tmp_path):
     lib = tmp_path / "prefix" / "lib" / "libnccl.so.2"
     tag = manylinux_tag(read_elf(lib))
-    glibc = tuple(int(x) for x in os.confstr("CS_GNU_LIBC_VERSION").split()[1].split(".")[:2])
-    if glibc >= (2, 34):
-        assert tag == "manylinux_2_34_x86_64"
+    # Linked with the glibc floor (as `build nccl` links the real library): manylinux_2_28 at most,
+    # although this machine's glibc versions pthread_create GLIBC_2.34.
+    assert tuple(int(x) for x in tag.split("_")[1:3]) <= (2, 28), tag
     assert stand_in_wheel.name == f"nvidia_nccl_cu12-{VERSION}+hpct.{SERIES}-py3-none-{tag}.whl"
     info = f"nvidia_nccl_cu12-{VERSION}+hpct.{SERIES}.dist-info"
     with zipfile.ZipFile(stand_in_wheel) as z:
@@ -347,6 +354,24 @@ def test_wheel_has_the_layout_of_nvidias(stand_in_wheel):
         ours = {n for n in z.namelist() if not n.split("/")[0].endswith(".dist-info")}
     assert theirs <= ours
     assert ours - theirs == {"nvidia/nccl/include/nccl_rootless.h", "nvidia/nccl/hpct-series.json"}
+
+
+@pytest.mark.unit
+def test_wheel_refuses_a_library_that_needs_a_glibc_newer_than_2_28(scratch_root, tmp_path):
+    glibc = tuple(int(x) for x in os.confstr("CS_GNU_LIBC_VERSION").split()[1].split(".")[:2])
+    if glibc < (2, 34):
+        pytest.skip(f"glibc {glibc} versions pthread_create below 2.34: no library needing more than 2.28 "
+                    "can be linked here")
+    prefix = stand_in_prefix(tmp_path, floor=False)
+    lib = prefix / "lib" / "libnccl.so.2"
+    assert read_elf(lib).max_version("GLIBC") >= (2, 34)
+    proc = wheel_nccl(scratch_root, "--prefix", str(prefix), "--dist", str(tmp_path / "dist"))
+    assert proc.returncode == 7, proc.stderr
+    assert f"{lib} needs GLIBC_2." in proc.stderr
+    assert "newer than the manylinux_2_28 the wheel must keep to: " in proc.stderr
+    assert "pthread_create@GLIBC_2.34" in proc.stderr      # the symbol that needs it is named
+    assert "src/nccl_rootless/glibc_floor.c" in proc.stderr
+    assert not list((tmp_path / "dist").glob("*.whl"))
 
 
 @pytest.mark.unit

@@ -74,7 +74,8 @@ def compile_glibc_floor(layout: Layout, out: Path, log: Path) -> tuple[Path, lis
     source = _project_file(layout, GLIBC_FLOOR)
     if not source.is_file():
         raise BuildError(f"{GLIBC_FLOOR} is missing, and libnccl needs it to keep to manylinux_2_28",
-                         fix="build from an hpct checkout (--root), which has src/compat/")
+                         fix="reinstall hpct (its wheel carries hpct/_build_inputs/src/nccl_rootless/) "
+                             "or build from an hpct checkout (--root)")
     obj = out / "hpct_glibc_floor.o"
     cc = require_tools(["cc"])["cc"]
     run_logged([cc, "-O2", "-fPIC", "-fvisibility=hidden", "-c", str(source), "-o", str(obj)], log,

@@ -18,6 +18,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import zipfile
 from pathlib import Path
 
@@ -35,6 +36,9 @@ SERIES_RECORD = "nvidia/nccl/hpct-series.json"
 ROOTLESS_SYMBOLS = ("ncclCommInitRankRootless", "ncclRootlessUniqueId")   # nccl_rootless.h
 HEADERS = ("nccl.h", "nccl_net.h", "nccl_rootless.h")
 SCHEMA_VERSION = 1
+# The newest glibc a wheel of libnccl may need: torch's CUDA wheels install on manylinux_2_28, and
+# so does hpct's own wheel.  A library needing more is refused, not tagged with a newer platform.
+GLIBC_LIMIT = (2, 28)
 # A fixed date for every entry: the same build gives the same wheel bytes.
 ZIP_DATE = (2024, 1, 1, 0, 0, 0)
 
@@ -61,6 +65,41 @@ def _stamp(prefix: Path) -> dict:
 def dist_name(m) -> str:
     """The distribution a pin's wheel replaces (the one torch's metadata requires)."""
     return m.extra.get("wheel", "nvidia-nccl-cu12")
+
+
+def symbols_above(lib: Path, prefix: str, limit: tuple[int, ...], at_most: int = 8) -> list[str]:
+    """Up to ``at_most`` undefined symbols of ``lib`` bound to ``<prefix>_X.Y`` newer than ``limit``
+    (e.g. 'pthread_create@GLIBC_2.34'); empty when binutils' nm is missing."""
+    import shutil
+    import subprocess
+    nm = shutil.which("nm")
+    if not nm:
+        return []
+    try:
+        out = subprocess.run([nm, "-D", "--undefined-only", "--with-symbol-versions", str(lib)],
+                             capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    found = set()
+    for line in out.splitlines():
+        hit = re.search(rf"(\S+?)@+{re.escape(prefix)}_(\d+(?:\.\d+)*)\b", line)
+        if hit and tuple(int(x) for x in hit.group(2).split(".")) > limit:
+            found.add(f"{hit.group(1)}@{prefix}_{hit.group(2)}")
+    return sorted(found)[:at_most]
+
+
+def platform_tag(elf, lib: Path) -> str:
+    """The manylinux tag from the library's GLIBC needs; refused above GLIBC_LIMIT."""
+    glibc = elf.max_version("GLIBC")
+    if glibc is not None and glibc[:2] > GLIBC_LIMIT:
+        need, limit = ".".join(map(str, glibc)), ".".join(map(str, GLIBC_LIMIT))
+        names = symbols_above(lib, "GLIBC", GLIBC_LIMIT)
+        raise BuildError(f"{lib} needs GLIBC_{need} (manylinux_{need.replace('.', '_')}), newer than the "
+                         f"manylinux_{limit.replace('.', '_')} the wheel must keep to"
+                         + (f": {', '.join(names)}" if names else ""),
+                         fix="build it with hpct-build build nccl, which links src/nccl_rootless/glibc_floor.c "
+                             "(add a wrapper there for each symbol named)")
+    return manylinux_tag(elf)
 
 
 def build_nccl_wheel(layout: Layout, progress: Progress, prefix: Path | None = None,
@@ -98,7 +137,7 @@ def build_nccl_wheel(layout: Layout, progress: Progress, prefix: Path | None = N
     if not any(h.name == "nccl.h" for h in headers):
         raise ConfigError(f"{prefix / 'include' / 'nccl.h'} is missing", fix="build NCCL again: hpct-build build nccl")
 
-    platform = manylinux_tag(elf)
+    platform = platform_tag(elf, lib)
     version = f"{m.version}+hpct.{info['series_id']}"
     exports = sorted(s for s in ROOTLESS_SYMBOLS if s in elf.exports)
     record = {"schema_version": SCHEMA_VERSION, "component": "nccl", "nccl_version": m.version,
