@@ -139,9 +139,8 @@ def test_rootless_waits_for_a_rank_three_seconds_late(harness):
 
 
 @_slow
-def test_rootless_missing_rank_fails_every_rank_by_the_deadline_naming_it(harness, request):
+def test_rootless_missing_rank_fails_every_rank_by_the_deadline_naming_it(harness):
     from hpct.ports import free_port_block
-    version = request.node.callspec.params["harness"]
     nranks, missing, timeout_ms = 6, 3, 3000
     base = free_port_block(nranks)
     run = _run(harness, "rootless", nranks, base_port=base, missing_rank=missing, timeout_ms=timeout_ms)
@@ -152,15 +151,12 @@ def test_rootless_missing_rank_fails_every_rank_by_the_deadline_naming_it(harnes
     for rank, r in ranks.items():
         if rank == missing:
             continue
-        # 2.21.5: every rank fails inside init.  2.30.7: the ranks away from the gap fail at their
-        # next bootstrap call instead, because upstream 2.30.7's ringAllInfo (bootstrap.cc) returns
-        # ncclSuccess even when its ring allgather failed; the missing rank's neighbours fail in
-        # init (the rootless ring) as before.
-        late = version != "2.21.5" and rank not in (missing - 1, missing + 1)
+        # Every rank fails inside init, on both pins.  Upstream 2.30.7's ringAllInfo returns
+        # ncclSuccess when its ring allgather failed, so the ranks away from the gap used to leave
+        # init and fail at their next bootstrap call; the series' patch 0003 returns the error.
         assert r["status"] == "error" and r["result"] == "ncclRemoteError", r
-        assert r["stage"] == ("allgather" if late else "init"), r
-        if not late:
-            assert r["warnings"], r
+        assert r["stage"] == "init", r
+        assert r["warnings"], r
         # The ring breaks only when the missing rank's neighbours give up at the deadline.
         assert timeout_ms * 0.95 <= r["launch_end_ms"] <= timeout_ms + MARGIN_S * 1e3, r
     before, after = ranks[missing - 1], ranks[missing + 1]
