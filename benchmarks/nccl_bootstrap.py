@@ -9,14 +9,15 @@ hpct_rootless.cc; no GPU is needed):
 
 * ``rootless``: every rank calls ncclCommInitRankRootless (identity computed locally,
   fixed listen port from a free block, ring to the next rank), then bootstrapAllGather;
-* ``stock``: the harness calls bootstrapGetUniqueId (NCCL's root thread), every rank calls
-  bootstrapInit with that handle, then bootstrapAllGather.
+* ``stock``: the harness forks the ranks, then calls bootstrapGetUniqueId (NCCL's root
+  thread; forking after it could copy a lock that thread holds) and pipes the handle to
+  every rank, which calls bootstrapInit with it, then bootstrapAllGather.
 
 The time for N is the slowest rank's time from the harness's start (before NCCL's
-network init, the root and the forks) to the end of its ring allgather of the rank
+network init, the forks and the root) to the end of its ring allgather of the rank
 table (which must come back exact); bootstrapInit itself already ran NCCL's three
-allgathers.  The stock variant does not include handing the unique id to the ranks
-(a store or MPI would do that in a real job).  NCCL staggers its ranks' connections to
+allgathers.  The stock variant hands the unique id to the ranks through a pipe, not
+the store or MPI a real job would use.  NCCL staggers its ranks' connections to
 the root only above 128 ranks, so no size here is slowed by that.  Median of --repeat.
 
 The module also holds what tests/test_nccl_bootstrap.py shares with it: where NCCL's

@@ -106,6 +106,9 @@ def _assert_all_ok(run, nranks, mode):
         assert r["table_ok"] is True and r["sendrecv_ok"] is True, r
         assert r["warnings"] == [], r
         assert 0 < r["init_ms"] <= r["allgather_ms"], r
+        # Forked while the harness had one thread: a rank forked after stock mode's root thread
+        # started could inherit ncclLoadParam's mutex locked and block on it for ever.
+        assert r["threads_at_fork"] == 1, r
     assert len({r["pid"] for r in run.ranks}) == nranks     # one process per rank
 
 

@@ -6,6 +6,11 @@
 //   --mode stock     the parent calls bootstrapGetUniqueId (NCCL's root thread lives in
 //                    it), every rank calls bootstrapInit with that handle
 //
+// The ranks are forked before bootstrapGetUniqueId, and the parent hands them the handle
+// through a pipe: forking after it would copy NCCL's root thread's locks in whatever state
+// that thread had them (it reads NCCL parameters under ncclLoadParam's mutex while it
+// starts), and a rank forked while the mutex was held blocked on it for ever.
+//
 // Each rank then runs bootstrapAllGather of its own rank number (the table must come back
 // exact), a bootstrapSend/Recv across the ring, bootstrapBarrier and bootstrapClose, and
 // reports one JSON line; the parent prints them in rank order (plus lines for ranks that
@@ -65,6 +70,18 @@ std::string jsonString(const std::string& s) {
     }
   }
   return out + "\"";
+}
+
+// This process's thread count (Linux /proc), -1 when it cannot be read.
+int threadCount() {
+  FILE* f = fopen("/proc/self/status", "r");
+  if (f == NULL) return -1;
+  char line[256];
+  int n = -1;
+  while (fgets(line, sizeof(line), f))
+    if (sscanf(line, "Threads: %d", &n) == 1) break;
+  fclose(f);
+  return n;
 }
 
 std::string num(double v) {
@@ -169,6 +186,7 @@ struct Outcome {
   bool ok = false, tableOk = false, sendRecvOk = false;
   double initMs = -1, allgatherMs = -1, launchInitMs = -1, launchAllgatherMs = -1, endMs = -1, launchEndMs = -1;
   std::vector<int> table;
+  int threadsAtFork = -1;   // the parent's, when it forked this rank; the tests require 1
 };
 
 // The NCCL WARN texts this rank logged (ncclDebugFile points at a private file).
@@ -271,6 +289,7 @@ std::string report(const Args& a, int rank, const Outcome& o, const std::vector<
   s += ", \"init_ms\": " + ms(o.initMs) + ", \"allgather_ms\": " + ms(o.allgatherMs);
   s += ", \"launch_init_ms\": " + ms(o.launchInitMs) + ", \"launch_allgather_ms\": " + ms(o.launchAllgatherMs);
   s += ", \"end_ms\": " + ms(o.endMs) + ", \"launch_end_ms\": " + ms(o.launchEndMs);
+  s += ", \"threads_at_fork\": " + std::to_string(o.threadsAtFork);
   s += std::string(", \"table_ok\": ") + (o.tableOk ? "true" : "false");
   s += std::string(", \"sendrecv_ok\": ") + (o.sendRecvOk ? "true" : "false");
   if (!o.tableOk && o.allgatherMs >= 0) {
@@ -281,12 +300,38 @@ std::string report(const Args& a, int rank, const Outcome& o, const std::vector<
   return s + "}\n";
 }
 
-[[noreturn]] void child(const Args& a, int rank, const ncclBootstrapHandle* stockHandle, double launchMs, int outFd) {
+// Stock mode: the root's handle, written by the parent once its root thread listens.  False
+// when the parent closed the pipe without it (bootstrapGetUniqueId failed) or by the deadline.
+bool readHandle(int fd, double deadlineMs, ncclBootstrapHandle* handle) {
+  size_t got = 0;
+  char* at = (char*)handle;
+  while (got < sizeof(*handle)) {
+    double left = deadlineMs - nowMs();
+    if (left <= 0) return false;
+    struct pollfd pfd = {fd, POLLIN, 0};
+    int ready = poll(&pfd, 1, left > 1000 ? 1000 : (int)left + 1);
+    if (ready < 0 && errno != EINTR) return false;
+    if (ready <= 0) continue;
+    ssize_t n = read(fd, at + got, sizeof(*handle) - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    got += (size_t)n;
+  }
+  return true;
+}
+
+[[noreturn]] void child(const Args& a, int rank, int handleFd, int threadsAtFork, double launchMs, int outFd) {
+  ncclBootstrapHandle handle;
+  memset(&handle, 0, sizeof(handle));
+  // Without the handle there is no stock run to report: the parent says why and exits 3.
+  if (a.mode == "stock" && !readHandle(handleFd, launchMs + a.killMs, &handle)) _exit(3);
+  if (handleFd >= 0) close(handleFd);
   double startMs = nowMs();
   FILE* log = tmpfile();
   if (log) ncclDebugFile = log;
   Outcome o;
-  ncclResult_t r = runSteps(a, rank, stockHandle, startMs, launchMs, &o);
+  o.threadsAtFork = threadsAtFork;
+  ncclResult_t r = runSteps(a, rank, &handle, startMs, launchMs, &o);
   double endMs = nowMs();   // success or failure: when this rank was through
   o.endMs = endMs - startMs;
   o.launchEndMs = endMs - launchMs;
@@ -308,6 +353,7 @@ struct Child {
   int rank;
   pid_t pid;
   int fd;
+  int handleFd;   // stock mode: the write end of this rank's handle pipe, else -1
   std::string out;
   bool done;
 };
@@ -325,40 +371,67 @@ int main(int argc, char** argv) {
             ncclLastError);
     return 3;
   }
-  ncclBootstrapHandle handle;
-  memset(&handle, 0, sizeof(handle));
-#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 23, 0)
-  if (a.mode == "stock" && bootstrapGetUniqueId(&handle, NULL) != ncclSuccess) {   // NULL: not a grow
-#else
-  if (a.mode == "stock" && bootstrapGetUniqueId(&handle) != ncclSuccess) {
-#endif
-    fprintf(stderr, "bootstrap_harness: bootstrapGetUniqueId failed: %s\n", ncclLastError);
-    return 3;
-  }
   fflush(stdout);
   fflush(stderr);
 
+  // Every rank is forked while this process still has one thread (see the top of the file).
+  bool stock = a.mode == "stock";
   std::vector<Child> kids;
   for (int rank : a.ranks) {
     if (rank == a.missingRank) continue;
-    int fds[2];
-    if (pipe(fds) != 0) {
+    int fds[2], hfds[2] = {-1, -1};
+    if (pipe(fds) != 0 || (stock && pipe(hfds) != 0)) {
       perror("bootstrap_harness: pipe");
       break;
     }
+    int threads = threadCount();
     pid_t pid = fork();
     if (pid == 0) {
       close(fds[0]);
-      for (auto& k : kids) close(k.fd);
-      child(a, rank, &handle, launchMs, fds[1]);
+      if (stock) close(hfds[1]);
+      for (auto& k : kids) {
+        close(k.fd);
+        if (k.handleFd >= 0) close(k.handleFd);
+      }
+      child(a, rank, hfds[0], threads, launchMs, fds[1]);
     }
     close(fds[1]);
+    if (stock) close(hfds[0]);
     if (pid < 0) {
       perror("bootstrap_harness: fork");
       close(fds[0]);
+      if (stock) close(hfds[1]);
       break;
     }
-    kids.push_back(Child{rank, pid, fds[0], std::string(), false});
+    kids.push_back(Child{rank, pid, fds[0], hfds[1], std::string(), false});
+  }
+
+  if (stock) {
+    ncclBootstrapHandle handle;
+    memset(&handle, 0, sizeof(handle));
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 23, 0)
+    ncclResult_t got = bootstrapGetUniqueId(&handle, NULL);   // NULL: not a grow
+#else
+    ncclResult_t got = bootstrapGetUniqueId(&handle);
+#endif
+    for (auto& k : kids) {
+      // One handle is far below PIPE_BUF, so the write is whole; a rank that already died
+      // gets EPIPE (ignored: its exit status is reported below).
+      if (got == ncclSuccess && write(k.handleFd, &handle, sizeof(handle)) != (ssize_t)sizeof(handle) &&
+          errno != EPIPE)
+        perror("bootstrap_harness: handing a rank the root's handle");
+      close(k.handleFd);
+      k.handleFd = -1;
+    }
+    if (got != ncclSuccess) {
+      for (auto& k : kids) {
+        int status = 0;
+        waitpid(k.pid, &status, 0);   // each exits at once: its handle pipe closed empty
+        close(k.fd);
+      }
+      fprintf(stderr, "bootstrap_harness: bootstrapGetUniqueId failed: %s\n", ncclLastError);
+      return 3;
+    }
   }
 
   // Collect every result; a rank still silent at the deadline is killed and reported so.
