@@ -19,7 +19,7 @@ import torch
 from hpct.demo.agent import Job, free_port_block
 from util import REPO
 
-pytestmark = pytest.mark.multiprocess
+
 
 WORKER = REPO / "tests" / "elastic_worker.py"
 DEADLINE = 120.0
@@ -49,6 +49,7 @@ def shrunk(request, tmp_path_factory):
     return request.param, out, run(out, 4, request.param, str(out))
 
 
+@pytest.mark.multiprocess
 def test_bad_input_is_refused_with_torchs_words_and_changes_nothing(shrunk):
     method, _, res = shrunk
     kind = "HpctArgumentError" if method == "hd" else ""
@@ -66,6 +67,7 @@ def test_bad_input_is_refused_with_torchs_words_and_changes_nothing(shrunk):
         assert got["after_bad"] == [4.0, 4, r, 0]
 
 
+@pytest.mark.multiprocess
 def test_shrink_renumbers_moves_to_the_next_generation_and_destroys_other_groups(shrunk):
     _, _, res = shrunk
     assert set(res[1]) == {"self", "all", "unknown", "duplicate", "empty", "after_bad"}   # it left
@@ -76,6 +78,7 @@ def test_shrink_renumbers_moves_to_the_next_generation_and_destroys_other_groups
         assert res[old]["sub_before"] == 3.0
 
 
+@pytest.mark.multiprocess
 def test_a_subgroup_shrinks_to_its_survivors_at_its_next_generation(shrunk):
     _, _, res = shrunk
     # new ranks 1 and 2 (old 2 and 3) keep the subgroup; their listening addresses are old 2's and 3's
@@ -84,6 +87,7 @@ def test_a_subgroup_shrinks_to_its_survivors_at_its_next_generation(shrunk):
     assert "sub_after" not in res[0]
 
 
+@pytest.mark.multiprocess
 def test_training_after_the_shrink_is_bit_identical_to_a_fresh_three_rank_world(shrunk, tmp_path):
     _, out, _ = shrunk
     run(tmp_path, 3, "ref", str(tmp_path), str(out / "ckpt.pt"))
@@ -92,3 +96,12 @@ def test_training_after_the_shrink_is_bit_identical_to_a_fresh_three_rank_world(
     assert all(identical(finals[0], f) for f in finals[1:] + refs)
     start = torch.load(out / "ckpt.pt")["model"]
     assert not identical(start, finals[0])       # it did train after the shrink
+
+
+@pytest.mark.unit
+def test_a_plan_that_does_not_fit_the_world_is_refused_before_anything_starts():
+    import hpct.distributed as hd
+    from hpct.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"plan_ranks places 2 ranks in the port plan, but the world has 3"
+                                          r"(.|\n)*fix: pass one plan place per global rank"):
+        hd.init_process_group(0, 3, plan_ranks=[0, 2])

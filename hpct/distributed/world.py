@@ -227,6 +227,11 @@ def init_process_group(rank: int | None = None, world_size: int | None = None, *
     if rank is None or world_size is None:
         raise ConfigError("hpct.distributed.init_process_group needs the rank and the world size",
                           fix="pass rank= and world_size=, or set RANK and WORLD_SIZE (torchrun sets both)")
+    if plan_ranks is not None and len(plan_ranks) != world_size:
+        raise ConfigError(f"plan_ranks places {len(plan_ranks)} ranks in the port plan, but the world has "
+                          f"{world_size}",
+                          fix="pass one plan place per global rank (a shrunk world keeps its survivors'), "
+                              "or plan_ranks=None to place rank r at r")
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
     with _LOCK:
