@@ -105,6 +105,13 @@ class HpctArgumentError(HpctError, ValueError):
     exit_code = 13
 
 
+class ParityError(HpctError):
+    """Members' shared training state differs and cannot be repaired from a majority
+    (``hpct.distributed.sync_state``): the message names the tensor and each version's ranks."""
+
+    exit_code = 15
+
+
 class TransportError(HpctError):
     """Root of the transport's own errors (``hpct._gloo.GlooError`` and its subclasses)."""
 

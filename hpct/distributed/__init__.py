@@ -12,22 +12,29 @@ Importing this module registers the ``hpct`` backend (CPU tensors) with
 After a failure (an op raised ``CollectiveError``, an ``HpctError``), every survivor calls ``hd.recover()`` and a
 replacement process starts with the same RANK and ``HPCT_GENERATION`` set to the survivors'
 new generation; ``hd.broadcast_state(model, optimizer, src=hd.healthy_source(...))`` then
-re-synchronises the state.
+re-synchronises the state.  Without a replacement, the survivors go on with fewer ranks:
+``torch.distributed.shrink_group([lost], group)`` or ``hd.shrink(...)`` (elastic.py); and
+``hd.sync_state(model, optimizer)`` finds and repairs a member whose state drifted (parity.py).
+docs/elastic.md says when to use which.
 """
 
 from __future__ import annotations
 
-from ..errors import CollectiveError, HpctArgumentError, HpctError
+from ..errors import CollectiveError, HpctArgumentError, HpctError, ParityError
+from . import elastic
 from .group import BACKEND_NAME, HpctProcessGroup
 from .slots import PlaceholderStore
 from .work import HpctWork
+from .elastic import shrink
+from .parity import ParityReport, sync_state
 from .state import broadcast_object, broadcast_state, healthy_source
 from .world import (abort_all, generation, group_monitored_barrier as monitored_barrier, init_process_group,
                     last_connect_seconds, live_groups, recover, register, shutdown_all)
 
 register()
+elastic.install()
 
 __all__ = ["BACKEND_NAME", "CollectiveError", "HpctArgumentError", "HpctError", "HpctProcessGroup", "HpctWork",
-           "PlaceholderStore", "abort_all", "broadcast_object", "broadcast_state", "generation",
+           "ParityError", "ParityReport", "PlaceholderStore", "abort_all", "broadcast_object", "broadcast_state", "generation",
            "healthy_source", "init_process_group", "last_connect_seconds", "live_groups",
-           "monitored_barrier", "recover", "shutdown_all"]
+           "monitored_barrier", "recover", "shrink", "shutdown_all", "sync_state"]

@@ -144,6 +144,19 @@ class HpctProcessGroup(dist.ProcessGroup):
             checks.single(op, tensors, f"tensor list on {engine.device_type}")
         return engine
 
+    # torch's shrink_group asks the group's backend for the device (this object: the group is
+    # its own backend) whether it can shrink, then calls its shrink(); elastic.py sets `shrinker`.
+    supports_shrinking = True
+    shrinker = None
+
+    def _get_backend(self, device):
+        if torch.device(device).type not in self._engines:
+            raise RuntimeError(f"{self!r} has no backend for device type {torch.device(device).type}")
+        return self
+
+    def shrink(self, ranks_to_exclude, shrink_flags=0, pg_options=None):
+        return type(self).shrinker(self, list(ranks_to_exclude), shrink_flags, pg_options)
+
     def attach(self, engine) -> None:
         """Serve another device type with ``engine`` (world.py attaches the CUDA engine)."""
         self._engines[engine.device_type] = engine

@@ -54,6 +54,9 @@ class _State:
     formed: int | None = None    # the generation in which the world last formed
     newest_seen: int = -1        # the newest generation a peer showed (StaleGenerationError)
     store = None                 # the world's PlaceholderStore (kept alive: see init_process_group)
+    plan_ranks: list | None = None   # global rank -> its place in the port plan (None: the same);
+                                     # a shrink renumbers ranks, each survivor keeps its address
+    group_generation: int | None = None  # generation of the next group made (elastic.py), else the world's
 
 
 _state = _State()
@@ -90,10 +93,19 @@ def _group_index(group_name: str) -> int:
     return max(c10d._world.group_count - 1, 0)
 
 
+def plan_rank(global_rank: int) -> int:
+    """Where global rank ``global_rank`` sits in the port plan (its host and local rank)."""
+    with _LOCK:
+        plan = _state.plan_ranks
+    return global_rank if plan is None else plan[global_rank]
+
+
 def _create(dist_opts, backend_options=None):
     """The c10d creator (extended API): build and connect one storeless context."""
     cfg = _config()
-    gen = _current_generation()
+    with _LOCK:
+        gen = _state.group_generation
+    gen = _current_generation() if gen is None else gen
     group_rank, group_size = dist_opts.group_rank, dist_opts.group_size
     global_ranks = list(dist_opts.global_ranks_in_group) or list(range(group_size))
     name = str(dist_opts.group_id)
@@ -101,8 +113,8 @@ def _create(dist_opts, backend_options=None):
     p, s = cfg.nproc_per_node, cfg.port_slots
     slot = slots.choose(name, index, global_ranks, group_rank, live_groups(), cfg)
     try:
-        peers = [(host_of(cfg.hosts, r, p), port_of(cfg.gloo_port_base, slot, r % p, p, s))
-                 for r in global_ranks]
+        peers = [(host_of(cfg.hosts, q, p), port_of(cfg.gloo_port_base, slot, q % p, p, s))
+                 for q in map(plan_rank, global_ranks)]
     except PortPlanError as err:
         raise ConfigError(f"cannot place group {name} of {group_size} ranks: {err.problem}",
                           fix="set N_PROC_PER_NODE (or LOCAL_WORLD_SIZE) and HPCT_HOSTS/HPCT_HOSTFILE "
@@ -200,12 +212,14 @@ def _disable_store_barrier() -> None:
 
 def init_process_group(rank: int | None = None, world_size: int | None = None, *,
                        timeout: datetime.timedelta | float | None = None,
-                       config: Config | None = None, generation: int | None = None):
+                       config: Config | None = None, generation: int | None = None,
+                       plan_ranks: list[int] | None = None):
     """Start the default group rootlessly from the configuration; returns the world group.
 
     rank/world_size default to RANK/WORLD_SIZE; timeout (seconds or timedelta) is the op
     timeout; the connect deadline is HPCT_CONNECT_TIMEOUT; generation defaults to
-    HPCT_GENERATION (or the current one after a recovery).
+    HPCT_GENERATION (or the current one after a recovery); plan_ranks[r] is global rank r's
+    place in the port plan (default: r itself; a shrunk world passes its survivors').
     """
     cfg = config or Config.from_mapping()
     rank = cfg.rank if rank is None else rank
@@ -213,6 +227,11 @@ def init_process_group(rank: int | None = None, world_size: int | None = None, *
     if rank is None or world_size is None:
         raise ConfigError("hpct.distributed.init_process_group needs the rank and the world size",
                           fix="pass rank= and world_size=, or set RANK and WORLD_SIZE (torchrun sets both)")
+    if plan_ranks is not None and len(plan_ranks) != world_size:
+        raise ConfigError(f"plan_ranks places {len(plan_ranks)} ranks in the port plan, but the world has "
+                          f"{world_size}",
+                          fix="pass one plan place per global rank (a shrunk world keeps its survivors'), "
+                              "or plan_ranks=None to place rank r at r")
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
     with _LOCK:
@@ -223,6 +242,7 @@ def init_process_group(rank: int | None = None, world_size: int | None = None, *
             _state.generation = cfg.generation
         _state.rank, _state.world_size = rank, world_size
         _state.timeout = timeout
+        _state.plan_ranks = list(plan_ranks) if plan_ranks is not None else None
     _disable_store_barrier()
     if not dist.is_initialized():
         c10d._world.group_count = 0      # a failed earlier attempt may have advanced it
@@ -266,8 +286,18 @@ def shutdown_all(timeout: float = 10.0) -> None:
     c10d._world.group_count = 0
 
 
+def next_generation() -> int:
+    """This recovery's target generation: the one after the generation the world last formed
+    in, kept by a failed attempt (so ranks that retry a different number of times meet), or a
+    newer one that a peer showed."""
+    with _LOCK:
+        current, formed, newest = _current_generation(), _state.formed, _state.newest_seen
+    target = current if formed is None or current > formed else formed + 1
+    return max(target, newest)
+
+
 def recover(world_size: int | None = None, rank: int | None = None, *, generation: int | None = None,
-            timeout: datetime.timedelta | float | None = None):
+            timeout: datetime.timedelta | float | None = None, plan_ranks: list[int] | None = None):
     """Rebuild the world in this process with a new membership; returns the new world group.
 
     Aborts and releases every hpct group (bounded), resets torch's group counter, moves to
@@ -277,11 +307,13 @@ def recover(world_size: int | None = None, rank: int | None = None, *, generatio
     newer one that a peer showed (a refused attempt raises RendezvousError naming it).  ``world_size``/``rank`` default to the current ones: survivors keep their
     ranks and a replacement takes the failed rank (it starts with HPCT_GENERATION set to the
     new generation).  Groups made with ``new_group`` must be made again, in the same order.
+    ``plan_ranks`` (default: the current world's) places each new global rank in the plan
+    (elastic.py's shrink passes the survivors').
     Raises RendezvousError when a member is missing at the connect deadline.
     """
     with _LOCK:
-        current = _current_generation()
         rank = _state.rank if rank is None else rank
+        plan_ranks = _state.plan_ranks if plan_ranks is None else plan_ranks
         world_size = _state.world_size if world_size is None else world_size
         timeout = _state.timeout if timeout is None else timeout
         cfg = _config()
@@ -293,12 +325,9 @@ def recover(world_size: int | None = None, rank: int | None = None, *, generatio
     if generation is None:
         # One target per recovery, kept by a failed attempt: ranks that start recovering
         # seconds apart meet in it.  A peer seen in a newer generation wins.
-        with _LOCK:
-            formed, newest = _state.formed, _state.newest_seen
-        target = current if formed is None or current > formed else formed + 1
-        generation = max(target, newest)
-    new_gen = generation
-    return init_process_group(rank, world_size, timeout=timeout, config=cfg, generation=new_gen)
+        generation = next_generation()
+    return init_process_group(rank, world_size, timeout=timeout, config=cfg, generation=generation,
+                              plan_ranks=plan_ranks)
 
 
 def group_monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) -> None:
