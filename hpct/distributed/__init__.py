@@ -14,6 +14,7 @@ replacement process starts with the same RANK and ``HPCT_GENERATION`` set to the
 new generation; ``hd.broadcast_state(model, optimizer, src=hd.healthy_source(...))`` then
 re-synchronises the state.  Without a replacement, the survivors go on with fewer ranks:
 ``torch.distributed.shrink_group([lost], group)`` or ``hd.shrink(...)`` (elastic.py); and
+``hd.grow(new_size)`` admits joiners at a step boundary (admission.py);
 ``hd.sync_state(model, optimizer)`` finds and repairs a member whose state drifted (parity.py).
 docs/elastic.md says when to use which.
 """
@@ -25,6 +26,7 @@ from . import elastic
 from .group import BACKEND_NAME, HpctProcessGroup
 from .slots import PlaceholderStore
 from .work import HpctWork
+from .admission import grow
 from .elastic import shrink
 from .parity import ParityReport, sync_state
 from .state import broadcast_object, broadcast_state, healthy_source
@@ -35,6 +37,6 @@ register()
 elastic.install()
 
 __all__ = ["BACKEND_NAME", "CollectiveError", "HpctArgumentError", "HpctError", "HpctProcessGroup", "HpctWork",
-           "ParityError", "ParityReport", "PlaceholderStore", "abort_all", "broadcast_object", "broadcast_state", "generation",
+           "ParityError", "ParityReport", "PlaceholderStore", "abort_all", "broadcast_object", "broadcast_state", "generation", "grow",
            "healthy_source", "init_process_group", "last_connect_seconds", "live_groups",
            "monitored_barrier", "recover", "shrink", "shutdown_all", "sync_state"]

@@ -286,6 +286,12 @@ def shutdown_all(timeout: float = 10.0) -> None:
     c10d._world.group_count = 0
 
 
+def membership() -> tuple:
+    """(rank, world size, op timeout, plan places or None) of the current world."""
+    with _LOCK:
+        return _state.rank, _state.world_size, _state.timeout, _state.plan_ranks
+
+
 def next_generation() -> int:
     """This recovery's target generation: the one after the generation the world last formed
     in, kept by a failed attempt (so ranks that retry a different number of times meet), or a

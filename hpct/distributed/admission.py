@@ -1,0 +1,82 @@
+"""Grow: admit new ranks into a running job at a step boundary, at the next generation.
+
+The members and the joiners meet as a recovery does, from the port plan alone: no store, no
+server.  At a step boundary the training loop chooses, every member calls
+``hd.grow(new_world_size)``; it closes the member's groups gracefully (nothing is in flight at
+a step boundary) and connects the larger world at the next generation.  Each joiner starts
+with ``RANK`` = its new rank, ``WORLD_SIZE`` = the new size and ``HPCT_GENERATION`` = the
+members' next generation (``hd.generation() + 1`` on a member; an agent passes it on), calls
+``hd.init_process_group()`` and then takes the state from a member::
+
+    # member, at the step boundary                # joiner
+    hd.grow(4)                                     hd.init_process_group()
+    src = hd.healthy_source(True)                  src = hd.healthy_source(False)
+    hd.broadcast_state(model, opt, src=src)        hd.broadcast_state(model, opt, src=src)
+
+Where joiners live: new rank r sits at place ``plan_ranks[r]`` of the port plan (its host
+``hosts[place // P]``, its local rank ``place % P``).  By default joiners take the places after
+the highest one in use, so a world that never shrank places rank r at r.  The host list may grow
+with the job: pass ``hosts=`` (or rewrite HPCT_HOSTFILE, which grow re-reads).  A joiner of a
+shrunk world must be given the same ``plan_ranks`` (``hd.init_process_group(plan_ranks=...)``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..config import Config
+from ..errors import ConfigError, HpctArgumentError, PortPlanError
+from ..ports import host_of
+from . import world
+
+
+def _config(hosts) -> Config:
+    env = dict(os.environ)
+    if hosts is not None:
+        env.pop("HPCT_HOSTFILE", None)
+        env["HPCT_HOSTS"] = ",".join(hosts)
+    return Config.from_mapping(env)
+
+
+def plan_for(world_size: int, current: list[int], plan_ranks=None) -> list[int]:
+    """Plan places of the grown world: the members keep theirs, joiners take the given ones or
+    those after the highest place in use."""
+    if plan_ranks is None:
+        top = max(current) + 1 if current else 0
+        return list(current) + list(range(top, top + world_size - len(current)))
+    plan = [int(p) for p in plan_ranks]
+    if len(plan) != world_size or plan[:len(current)] != list(current) or len(set(plan)) != len(plan) \
+            or min(plan) < 0:
+        raise HpctArgumentError(
+            f"grow: plan_ranks={plan_ranks} must list {world_size} distinct places, starting with the "
+            f"members' own {list(current)}",
+            fix="omit plan_ranks (joiners take the next free places) or keep the members' places first")
+    return plan
+
+
+def grow(world_size: int, *, hosts: list[str] | None = None, plan_ranks: list[int] | None = None):
+    """Every member calls this at the same step boundary; returns the new world group."""
+    rank, size, timeout, plan = world.membership()
+    if rank is None or size is None:
+        raise ConfigError("grow() needs a running world: call init_process_group first",
+                          fix="start the job with hd.init_process_group() before growing it")
+    if not isinstance(world_size, int) or world_size <= size:
+        raise HpctArgumentError(f"grow: world_size={world_size!r} must be an integer above the current "
+                                f"world size {size}, nothing changed",
+                                fix="pass the size after admitting the joiners (shrink() makes it smaller)")
+    current = list(plan) if plan is not None else list(range(size))
+    places = plan_for(world_size, current, plan_ranks)
+    cfg = _config(hosts)
+    for r in range(size, world_size):
+        try:
+            host_of(cfg.hosts, places[r], cfg.nproc_per_node)
+        except PortPlanError as err:
+            raise ConfigError(f"grow: joiner rank {r} (plan place {places[r]}) has no address in the plan, "
+                              f"nothing changed: {err.problem}",
+                              fix="pass hosts= with every node the grown job uses (or extend HPCT_HOSTFILE), "
+                                  "or raise N_PROC_PER_NODE") from None
+    world.shutdown_all()          # a step boundary: every group is idle and closes gracefully
+    identity = places == list(range(world_size))
+    return world.init_process_group(rank, world_size, timeout=timeout, config=cfg,
+                                    generation=world.next_generation(),
+                                    plan_ranks=None if identity else places)
