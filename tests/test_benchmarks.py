@@ -54,3 +54,9 @@ def test_an_unknown_arrival_order_is_refused_before_anything_runs():
                           capture_output=True, text=True, timeout=120, cwd="/")
     assert proc.returncode != 0
     assert "unknown arrival order 'sideways'" in proc.stderr, proc.stderr
+
+
+def test_groups_reports_live_groups_against_stock_gloo():
+    text = _run("groups.py", "--sizes", "2", "--groups", "4")
+    assert "4 live groups: new_group + first all_reduce each" in text, text
+    assert re.search(r"^\s+2\s+[\d.]+\s+[\d.]+\s+[\d.]+x$", text, re.MULTILINE), text
