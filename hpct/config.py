@@ -25,7 +25,7 @@ from typing import Callable, Mapping
 from .errors import ConfigError
 
 DEFAULT_PORT_BASE = 12000    # below the 20000 ephemeral floor that `hpct ports apply` sets
-DEFAULT_PORT_SLOTS = 8       # groups of one backend alive at once
+DEFAULT_PORT_SLOTS = 8       # slotted groups alive at once (NCCL; the hpct backend's Gloo needs none)
 DEFAULT_HOSTS = ("127.0.0.1",)
 MAX_PORT = 65535
 NCCL_LIBRARY_VAR = "HPCT_NCCL_LIBRARY"   # read by hpct.distributed.nccl_lib and hpct doctor
@@ -51,7 +51,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("N_PROC_PER_NODE", "nproc_per_node", "int", None, 1, 1024,
         help="processes per node (P); default LOCAL_WORLD_SIZE, else 1"),
     Var("HPCT_PORT_SLOTS", "port_slots", "int", DEFAULT_PORT_SLOTS, 1, 4096,
-        help="port slots per backend (S): the most groups of one backend alive at once"),
+        help="port slots per block (S): NCCL communicators alive at once per process (and the "
+             "patched-PyTorch track's Gloo groups); the hpct backend's Gloo groups share one port, uncapped"),
     Var("TORCH_GLOO_GET_PORT_BASE", "gloo_port_base", "int", None, 1024, MAX_PORT,
         help="first port of the Gloo block; default HPCT_PORT_BASE"),
     Var("TORCH_NCCL_GET_PORT_BASE", "nccl_port_base", "int", None, 1024, MAX_PORT,

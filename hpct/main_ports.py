@@ -37,12 +37,15 @@ def _show_plan(config, plan, as_json: bool) -> int:
     ports = {b: {l: plan.local_ports(b, l) for l in _local_ranks(config)} for b, _ in plan.bases}
     if as_json:
         print_json({"plan": plan.as_dict(),
-                    "listen_ports": {b: {str(l): p for l, p in by_rank.items()} for b, by_rank in ports.items()}})
+                    "listen_ports": {b: {str(l): p for l, p in by_rank.items()} for b, by_rank in ports.items()},
+                    "hpct_gloo_ports": {str(l): plan.shared_port("gloo", l) for l in _local_ranks(config)}})
         return 0
     print(f"hosts:  {', '.join(plan.hosts)} ({len(plan.hosts)} node(s) x {plan.nproc_per_node} "
           f"process(es), world size {plan.world_size})")
-    print(f"slots:  {plan.slots} (the most groups of one backend alive at once; group g uses slot g mod "
-          f"{plan.slots})")
+    print(f"slots:  {plan.slots} (NCCL communicators alive at once per process, and the patched-PyTorch "
+          f"track's ProcessGroupGloo groups; group g uses slot g mod {plan.slots})")
+    shared = ", ".join(f"local rank {l}: {plan.shared_port('gloo', l)}" for l in _local_ranks(config))
+    print(f"hpct backend, Gloo: every group of a process on one port, B + l (any number alive): {shared}")
     for backend, by_rank in ports.items():
         block = plan.block(backend)
         print(f"{backend}:   block {block.start}-{block.stop - 1}")

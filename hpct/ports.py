@@ -1,7 +1,9 @@
 """The port plan (DESIGN.md, normative): where every rank listens and where it dials its peers.
 
 Process ``l`` of a node listens for group ``g`` of a backend whose block starts at
-``B`` on ``B + (g mod S)*P + l``; global rank ``r`` lives on ``hosts[r // P]``.
+``B`` on ``B + (g mod S)*P + l``; global rank ``r`` lives on ``hosts[r // P]``.  A backend
+whose groups share one listener (the ``hpct`` backend's Gloo: every group of a process on
+``B + l``, told apart by a group key in the handshake) uses slot 0 only: ``shared_port``.
 The same formulas are implemented in C++ (Gloo, NCCL, c10d patches); the shared
 vectors in tests/vectors/port_plan.json keep every implementation in step.
 
@@ -36,6 +38,12 @@ def port_of(block_base: int, group: int, local_rank: int, nproc_per_node: int, s
         raise PortPlanError(f"port {port} (block base {block_base}) is not a valid TCP port",
                             fix="choose a block base so that base + slots*nproc_per_node - 1 <= 65535")
     return port
+
+
+def shared_port(block_base: int, local_rank: int, nproc_per_node: int) -> int:
+    """The one port local rank ``l`` listens on for every group of a backend that shares a
+    listener among its groups (the ``hpct`` backend's Gloo, patch 0018): B + l, slot 0."""
+    return port_of(block_base, 0, local_rank, nproc_per_node, 1)
 
 
 def host_of(hosts: Sequence[str], rank: int, nproc_per_node: int) -> str:
@@ -76,7 +84,9 @@ class PortPlan:
 
     @property
     def max_groups(self) -> int:
-        """The most groups of one backend that may be alive at once (slot g mod S is reused)."""
+        """The most groups of one slotted backend alive at once (slot g mod S is reused): NCCL
+        communicators, and the patched-PyTorch track's ProcessGroupGloo.  The ``hpct`` backend's
+        Gloo groups share one port (``shared_port``) and have no such bound."""
         return self.slots
 
     def base(self, backend: str) -> int:
@@ -92,6 +102,11 @@ class PortPlan:
 
     def listen_port(self, backend: str, group: int, local_rank: int) -> int:
         return port_of(self.base(backend), group, local_rank, self.nproc_per_node, self.slots)
+
+    def shared_port(self, backend: str, local_rank: int) -> int:
+        """The one port local rank ``l`` listens on for every group of a backend whose groups
+        share a listener (the ``hpct`` backend's Gloo): B + l."""
+        return shared_port(self.base(backend), local_rank, self.nproc_per_node)
 
     def local_ports(self, backend: str, local_rank: int) -> list[int]:
         """The ports one local rank uses across all slots (what `hpct doctor` test-binds)."""

@@ -135,30 +135,32 @@ def gloo_subgroup():
     return "created"
 
 
-def slot_reuse():
-    """HPCT_PORT_SLOTS subgroups in turn, each destroyed, then S-1 alive at once."""
+def many_groups():
+    """HPCT_PORT_SLOTS + 2 subgroups in turn, each destroyed, then 2*S alive at once: no cap,
+    every group on this process's one port."""
     slots = int(os.environ["HPCT_PORT_SLOTS"])
     seen = []
     for i in range(slots + 2):
         g = dist.new_group(list(range(n)))
         t = torch.ones(1)
         dist.all_reduce(t, group=g)
-        seen.append([getattr(g, "slot", g.group_index % slots), t.item()])
+        seen.append([g.context.peers[rank][1] - int(os.environ["HPCT_PORT_BASE"]), t.item()])
         dist.destroy_process_group(g)
-    alive = [dist.new_group(list(range(n))) for _ in range(slots - 1)]
-    seen.append(sorted(g.slot for g in alive))
-    try:
-        dist.new_group(list(range(n)))
-        seen.append("one more was accepted")
-    except Exception as err:  # noqa: BLE001
-        seen.append(f"{type(err).__name__}: {err}")
+    alive = [dist.new_group(list(range(n))) for _ in range(2 * slots)]
+    sums = []
+    for g in alive:
+        t = torch.ones(1)
+        dist.all_reduce(t, group=g)
+        sums.append(t.item())
+    seen.append(sums)
+    seen.append(len({g.group_key for g in alive}))
     for g in alive:
         dist.destroy_process_group(g)
     return seen
 
 
 def overlapping_subgroups():
-    """Members that saw different subgroups still agree on a new group's slot."""
+    """Members that saw different subgroups still agree on a new group's key."""
     if n < 3:
         return "needs 3 ranks"
     a = dist.new_group([0, 1])
@@ -166,12 +168,12 @@ def overlapping_subgroups():
     c = dist.new_group([0, 2])
     if rank in (0, 1):
         dist.destroy_process_group(a)
-    d = dist.new_group([0, 2])                  # rank 0 has a free slot that rank 2 has not
+    d = dist.new_group([0, 2])                  # ranks 0 and 2 hold different groups
     got = None
     if rank in (0, 2):
         t = torch.tensor([float(rank + 1)])
         dist.all_reduce(t, group=d)
-        got = [t.item(), d.slot]
+        got = [t.item(), d.group_key]
         dist.destroy_process_group(d)
         dist.destroy_process_group(c)
     if rank in (1, 2):
@@ -183,7 +185,7 @@ CASES = {"coalesced_order": coalesced_order, "coalesced_duplicate": coalesced_du
          "allgather_several": allgather_several, "gather_several": gather_several,
          "broadcast_root_tensor": broadcast_root_tensor, "broadcast_short_form": broadcast_short_form,
          "checks": checks, "premul_sum": premul_sum, "inference_gather": inference_gather,
-         "sparse_sum": sparse_sum, "monitored": monitored, "slot_reuse": slot_reuse,
+         "sparse_sum": sparse_sum, "monitored": monitored, "many_groups": many_groups,
          "overlapping_subgroups": overlapping_subgroups, "gloo_subgroup": gloo_subgroup}
 
 def monitored_missing():

@@ -72,3 +72,9 @@ def test_diloco_moves_about_h_times_fewer_bytes_than_stock_ddp(tmp_path):
     ddp, fp32, int8 = (rows[m]["bytes_per_step"] for m in ("ddp-gloo", "diloco", "diloco-int8"))
     assert 6 < ddp / fp32 < 14, rows
     assert 2.5 < fp32 / int8 < 5, rows
+
+
+def test_groups_reports_live_groups_against_stock_gloo():
+    text = _run("groups.py", "--sizes", "2", "--groups", "4")
+    assert "4 live groups: new_group + first all_reduce each" in text, text
+    assert re.search(r"^\s+2\s+[\d.]+\s+[\d.]+\s+[\d.]+x$", text, re.MULTILINE), text

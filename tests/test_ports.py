@@ -83,6 +83,9 @@ def test_plan_blocks_ports_and_peers():
     assert plan.world_size == 4
     assert plan.listen_port("nccl", 5, 1) == 12008 + 1 * 2 + 1
     assert plan.local_ports("gloo", 1) == [12001, 12003, 12005, 12007]
+    # the hpct backend's Gloo: every group of local rank l on B + l (slot 0), whatever S is
+    assert [plan.shared_port("gloo", l) for l in (0, 1)] == [12000, 12001]
+    assert plan.shared_port("gloo", 1) == plan.listen_port("gloo", 0, 1)
     assert plan.peers("gloo", 3) == [("10.0.0.1", 12006), ("10.0.0.1", 12007),
                                      ("10.0.0.2", 12006), ("10.0.0.2", 12007)]
     assert plan.peers("gloo", 3, ranks=[3, 0]) == [("10.0.0.2", 12007), ("10.0.0.1", 12006)]

@@ -185,6 +185,7 @@ def test_ports_cli_on_fake_proc(proc, monkeypatch, capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["plan"]["blocks"]["nccl"] == {"first": 40008, "last": 40015}
     assert plan["listen_ports"]["gloo"]["0"] == list(range(40000, 40008))
+    assert plan["hpct_gloo_ports"] == {"0": 40000}
     monkeypatch.setenv("HPCT_PORT_BSAE", "1")
     assert main(["ports", "plan"]) == 2
     assert "did you mean HPCT_PORT_BASE?" in capsys.readouterr().err

@@ -97,10 +97,11 @@ def nccl_addresses(cfg, slot: int, global_ranks: Sequence[int]) -> list[str]:
 
 
 def engine_for_group(cfg, *, name: str, index: int, slot: int, group_rank: int, global_ranks: Sequence[int],
-                     generation: int, op_timeout: float, run_id: str | None = None) -> "NcclEngine":
+                     generation: int, op_timeout: float, run_id: str | None = None,
+                     places: Sequence[int] | None = None) -> "NcclEngine":
     """An engine for one hpct group from the Config and the group's facts (no GPU touched)."""
     import os
-    addrs = nccl_addresses(cfg, slot, global_ranks)
+    addrs = nccl_addresses(cfg, slot, global_ranks if places is None else places)   # plan places (shrink)
     rid = os.environ.get("TORCHELASTIC_RUN_ID", "") if run_id is None else run_id
     return NcclEngine(rank=group_rank, size=len(global_ranks), global_ranks=list(global_ranks),
                       generation=generation, group_index=index, group_name=name,

@@ -1,6 +1,15 @@
-"""Port slots of hpct groups, and the placeholder store torch is given in their place.
+"""Group keys and NCCL port slots of hpct groups, and the placeholder store torch is given.
 
-Slots.  Every process listens for each of its live hpct groups on ``B + slot*P + l``, so a
+Group keys.  Every hpct group of a process listens for Gloo on one port, ``B + l``: the
+listener routes each connection by the group key its handshake carries (patch 0018), so
+any number of groups may be alive at once.  The key comes from the group's index, which
+every member computes alike: the world group 0, subgroup ``g`` ``1 + (g - 1) mod (K - 1)``
+(K = ``_gloo.GROUP_KEYS``), so a subgroup never shares the world's key.  Two live groups of
+one process whose keys are equal (subgroup indexes K - 1 apart) cannot share the port: the
+second is refused, naming the first.
+
+NCCL slots (only in a process that serves CUDA).  A communicator listens on a port of its
+own in the NCCL block, ``B + slot*P + l``, so a
 slot must be free in every member process and all members must pick the same one.  Torch
 calls a backend only on the members of a new group, so a table kept by each process
 alone differs between processes (rank 0 and rank 2 have seen different subgroups) and a
@@ -24,7 +33,28 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from .. import _gloo
 from ..errors import CollectiveError, PortPlanError, RendezvousError
+
+def group_key(index: int) -> int:
+    """The key a group's Gloo handshakes carry (see the module doc)."""
+    keys = _gloo.GROUP_KEYS
+    return 0 if index == 0 else 1 + (index - 1) % (keys - 1)
+
+
+def check_key(name: str, index: int, live: list) -> int:
+    """The key of a new group; PortPlanError if a live group of this process holds it."""
+    key = group_key(index)
+    for pg in live:
+        if getattr(pg, "group_key", None) == key:
+            raise PortPlanError(
+                f"group {name} (index {index}) would share Gloo group key {key} with the live group "
+                f"{pg.group_name} (index {pg.group_index}) on this process's port: keys repeat every "
+                f"{_gloo.GROUP_KEYS - 1} subgroup indexes",
+                fix=f"destroy group {pg.group_name} when it is no longer needed (any number of groups "
+                    f"may be alive at once, but not two whose indexes are {_gloo.GROUP_KEYS - 1} apart)")
+    return key
+
 
 SLOT_TAG_BASE = (1 << 30) + (1 << 24)     # above application tags and monitor.py's
 SLOT_TAG_SPAN = 1 << 20
@@ -45,7 +75,7 @@ def _full(name, index, held, s) -> PortPlanError:
 def choose(name: str, index: int, global_ranks: list[int], group_rank: int, live: list, cfg) -> int:
     """The slot of a new group; the same on every member (see the module doc)."""
     s = cfg.port_slots
-    held_here = {pg.slot for pg in live}
+    held_here = {pg.slot for pg in live if pg.slot is not None}
     if index == 0 and str(name) == "0" and 0 not in held_here:
         return 0                               # the default (world) group
     if s < 2:

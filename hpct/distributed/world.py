@@ -1,15 +1,18 @@
-"""Rootless start-up, group slots and in-process recovery for the ``hpct`` backend.
+"""Rootless start-up, group keys and in-process recovery for the ``hpct`` backend.
 
 Start-up: every process derives every peer's (host, port) from the configuration and the
 port plan (DESIGN.md) and connects the full mesh directly; no TCPStore is created, nothing
 listens on MASTER_PORT and rank 0 may start last.  Torch still wants a store object, so a
 process-local ``HashStore`` stands in; it is never shared.
 
-Groups: the default group listens on slot 0; each ``dist.new_group`` takes the lowest slot
-that is free on every one of its members (slots.py: the members agree over the world group,
-no store), so up to HPCT_PORT_SLOTS groups may be alive at once in any create/destroy order.
-Group ranks map to global ranks; global rank ``r`` lives on ``hosts[r // P]`` at
-``B + slot*P + r % P``.  Torch's store is a process-local placeholder that fails at once
+Groups: every hpct group of a process listens on the same port, ``B + l`` (patch 0018: one
+listener per process routes each connection by the group key in its handshake), so any
+number of groups may be alive at once and ``dist.new_group`` costs no agreement round.  The
+key is the group's index (slots.group_key: the world 0, a subgroup 1 + (g-1) mod 1023),
+which every member computes alike.  Group ranks map to global ranks; global rank ``r``
+lives on ``hosts[r // P]`` at ``B + r % P``.  Only a process that serves CUDA still agrees
+on a port slot per group, for its NCCL communicator (each listens on a port of its own in
+the NCCL block; slots.py).  Torch's store is a process-local placeholder that fails at once
 where something waits on it (a Gloo subgroup, a store barrier) instead of at the timeout.
 
 Recovery: ``recover()`` aborts every hpct group of this process (bounded, even with an op
@@ -33,7 +36,7 @@ from torch.distributed import distributed_c10d as c10d
 from .. import _gloo
 from ..config import Config
 from ..errors import ConfigError, PortPlanError, RendezvousError
-from ..ports import host_of, port_of
+from ..ports import host_of, shared_port
 from . import checks, slots
 from .group import BACKEND_NAME, HpctProcessGroup
 from .monitor import monitored_barrier as _monitored_barrier
@@ -110,10 +113,13 @@ def _create(dist_opts, backend_options=None):
     global_ranks = list(dist_opts.global_ranks_in_group) or list(range(group_size))
     name = str(dist_opts.group_id)
     index = _group_index(name)
-    p, s = cfg.nproc_per_node, cfg.port_slots
-    slot = slots.choose(name, index, global_ranks, group_rank, live_groups(), cfg)
+    p = cfg.nproc_per_node
+    key = slots.check_key(name, index, live_groups())
+    # Only the NCCL block still holds a port per live group (a communicator's own listener).
+    slot = slots.choose(name, index, global_ranks, group_rank, live_groups(), cfg) \
+        if _serves_cuda() else None
     try:
-        peers = [(host_of(cfg.hosts, q, p), port_of(cfg.gloo_port_base, slot, q % p, p, s))
+        peers = [(host_of(cfg.hosts, q, p), shared_port(cfg.gloo_port_base, q % p, p))
                  for q in map(plan_rank, global_ranks)]
     except PortPlanError as err:
         raise ConfigError(f"cannot place group {name} of {group_size} ranks: {err.problem}",
@@ -125,12 +131,12 @@ def _create(dist_opts, backend_options=None):
         ctx = _gloo.Context(group_rank, group_size, gen, peers, timeout=timeout,
                             connect_timeout=cfg.connect_timeout, connect=False,
                             retry_delay_initial=min(0.002, retry_max), retry_delay_max=retry_max,
-                            lazy=cfg.lazy_connect)
+                            lazy=cfg.lazy_connect, group_key=key)
     except _gloo.AddressInUseError as err:
         host, port = peers[group_rank]
         raise PortPlanError(
             f"group {name}: global rank {global_ranks[group_rank]} cannot listen on {host}:{port} "
-            f"(port slot {slot}): {err}",
+            f"(the port every hpct group of this process shares): {err}",
             fix="another process holds the port: stop it, run `hpct ports check`, or move the plan "
                 "with HPCT_PORT_BASE") from None
     with _LOCK:
@@ -168,12 +174,14 @@ def _create(dist_opts, backend_options=None):
             raise
     pg = HpctProcessGroup(ctx, group_name=name, group_index=index, global_ranks=global_ranks)
     pg.slot = slot
+    pg.group_key = key
     if _serves_cuda():
         # Nothing touches the GPU or opens a socket here: the communicator forms rootlessly at
         # the group's first CUDA op, on the same slot in the NCCL block.
         from .nccl_engine import engine_for_group
         pg.attach(engine_for_group(cfg, name=name, index=index, slot=slot, group_rank=group_rank,
-                                   global_ranks=global_ranks, generation=gen, op_timeout=timeout))
+                                   global_ranks=global_ranks, generation=gen, op_timeout=timeout,
+                                   places=[plan_rank(r) for r in global_ranks]))
     pg.on_shutdown = _forget
     with _LOCK:
         _state.groups.append(pg)

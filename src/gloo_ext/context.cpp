@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -318,6 +319,72 @@ class P2PRequest {
   std::exception_ptr error_;
 };
 
+// One TCP device (one listening port, one event-loop thread) per process and
+// listening address, shared by the contexts of every group that listens there:
+// each context registers its group key on the device's listener, which routes
+// connections by the key in their sequence number (patch 0018).  A device is
+// created by the first context that needs it and shut down (its port freed) when
+// the last context using it aborts or closes; a context aborted on a shared device
+// closes only its own key.
+class DeviceRegistry {
+ public:
+  using DevicePtr = std::shared_ptr<gloo::transport::tcp::Device>;
+
+  static DeviceRegistry& get() {
+    static DeviceRegistry* registry = new DeviceRegistry();  // never freed: used at exit
+    return *registry;
+  }
+
+  // The device listening on attr's host and port, with `key` reserved on it.
+  DevicePtr acquire(const gloo::transport::tcp::attr& attr, uint32_t key) {
+    const auto id = std::make_pair(attr.hostname, attr.port);
+    std::lock_guard<std::mutex> guard(mutex_);
+    auto& entry = entries_[id];
+    auto dev = entry.device.lock();
+    if (dev && dev->isShutdown()) dev.reset();
+    if (!dev) {
+      entry.keys.clear();
+      dev = std::static_pointer_cast<gloo::transport::tcp::Device>(
+          gloo::transport::tcp::CreateDevice(attr));
+      entry.device = dev;
+    }
+    if (!entry.keys.insert(key).second) {
+      throw py::value_error(
+          "group key " + std::to_string(key) + " is already used by a live group listening on " +
+          attr.hostname + ":" + std::to_string(attr.port) + " (keys are group indexes modulo " +
+          std::to_string(gloo::transport::tcp::kGroupKeys) + "); destroy that group first, or "
+          "give this one another group_key");
+    }
+    return dev;
+  }
+
+  // Give `key` back; with no key left the device is shut down (port freed).
+  void release(const DevicePtr& dev, const gloo::transport::tcp::attr& attr, uint32_t key) {
+    if (!dev) return;
+    bool last = false;
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      auto it = entries_.find(std::make_pair(attr.hostname, attr.port));
+      if (it == entries_.end() || it->second.device.lock() != dev) {
+        last = true;  // already replaced: this device serves nobody else
+      } else {
+        it->second.keys.erase(key);
+        last = it->second.keys.empty();
+        if (last) entries_.erase(it);
+      }
+    }
+    if (last) dev->shutdown();
+  }
+
+ private:
+  struct Entry {
+    std::weak_ptr<gloo::transport::tcp::Device> device;
+    std::set<uint32_t> keys;
+  };
+  std::mutex mutex_;
+  std::map<std::pair<std::string, int>, Entry> entries_;
+};
+
 class StorelessContext {
  public:
   StorelessContext(int rank, int size, uint32_t generation,
@@ -325,8 +392,13 @@ class StorelessContext {
                    double connect_timeout, bool connect, double retry_delay_initial,
                    double retry_delay_max, double bind_retry_timeout, double ack_timeout,
                    double keepalive_idle, double keepalive_interval, int keepalive_count,
-                   bool lazy)
-      : rank_(rank), size_(size), generation_(generation), peers_(std::move(peers)) {
+                   bool lazy, uint32_t group_key)
+      : rank_(rank), size_(size), generation_(generation), peers_(std::move(peers)),
+        group_key_(group_key % gloo::transport::tcp::kGroupKeys) {
+    if (size > static_cast<int>(gloo::transport::tcp::kMaxStorelessRanks)) {
+      throw py::value_error("size " + std::to_string(size) + " is above the most ranks a "
+                            "storeless group supports (2**20)");
+    }
     if (size < 1) throw py::value_error("size must be at least 1");
     if (rank < 0 || rank >= size) {
       throw py::value_error("rank " + std::to_string(rank) + " is outside 0.." +
@@ -348,6 +420,7 @@ class StorelessContext {
     }
     timeout_ms_ = to_ms(timeout, "timeout").count();
     options_.generation = generation;
+    options_.groupKey = group_key_;
     options_.connectTimeout = to_ms(connect_timeout, "connect_timeout");
     // Retry delays may be 0 (retry at once); they are clamped to 1 ms so
     // that the active side never spins.
@@ -381,14 +454,14 @@ class StorelessContext {
       options_.peers.push_back(sp);
     }
 
-    gloo::transport::tcp::attr attr;
+    auto& attr = attr_;
     attr.hostname = peers_[rank].first;
     attr.port = peers_[rank].second;
     attr.bindRetryTimeoutMs =
         bind_retry_timeout <= 0 ? 0 : static_cast<int>(std::ceil(bind_retry_timeout * 1000.0));
     context_ = std::make_shared<gloo::rendezvous::Context>(rank, size);
     context_->setTimeout(op_timeout());
-    without_gil([&] { device_ = gloo::transport::tcp::CreateDevice(attr); });
+    without_gil([&] { device_ = DeviceRegistry::get().acquire(attr, group_key_); });
     if (connect) {
       this->connect();
     }
@@ -492,8 +565,9 @@ class StorelessContext {
         dev = device_;
       }
       if (ctx) ctx->abort(reason);
-      // Free the port even if connect never started.
-      if (dev) std::static_pointer_cast<gloo::transport::tcp::Device>(dev)->shutdown();
+      // Close this group's key (even if connect never started); the port is
+      // freed once no other group of the process uses it.
+      release_device(dev);
     });
   }
 
@@ -519,14 +593,14 @@ class StorelessContext {
   size_t rejected_connections() {
     auto dev = tcp_device();
     if (!dev) return rejected_at_close_;
-    return dev->rejectedConnections();
+    return dev->rejectedConnections(group_key_);
   }
 
   // Connections refused for another generation, by initiator rank:
   // {rank: (last generation, count, host)}.
   py::dict refusals() {
     auto dev = tcp_device();
-    auto records = dev ? dev->refusals()
+    auto records = dev ? dev->refusals(group_key_)
                        : refusals_at_close_;
     py::dict out;
     for (const auto& r : records) {
@@ -727,26 +801,40 @@ class StorelessContext {
       // (A request keeps the transport context alive; the abort wakes its
       // waiter and frees the port.)
       if (ctx) ctx->abort(reason);
-      if (dev) std::static_pointer_cast<gloo::transport::tcp::Device>(dev)->shutdown();
+      release_device(dev);
       if (!idle) op.lock();
     }
     if (dev) {
       auto tcp = std::static_pointer_cast<gloo::transport::tcp::Device>(dev);
-      rejected_at_close_ = tcp->rejectedConnections();
-      refusals_at_close_ = tcp->refusals();
+      rejected_at_close_ = tcp->rejectedConnections(group_key_);
+      refusals_at_close_ = tcp->refusals(group_key_);
       dropped_at_close_ = tcp->droppedConnections();
     }
     std::lock_guard<std::mutex> guard(state_);
     ctx.reset();
     dev.reset();
-    context_.reset();  // destroys pairs, then the device and its loop thread
+    context_.reset();  // destroys pairs, closes the key
+    release_device(device_);  // the last group on the device frees the port
     device_.reset();
+  }
+
+  // Close this group's key on the shared device, and give the key back to the
+  // registry (the last key shuts the device down).  Idempotent.
+  void release_device(const std::shared_ptr<gloo::transport::Device>& dev) {
+    if (!dev) return;
+    auto tcp = std::static_pointer_cast<gloo::transport::tcp::Device>(dev);
+    if (released_.exchange(true)) return;
+    tcp->closeKey(group_key_, 0);
+    DeviceRegistry::get().release(tcp, attr_, group_key_);
   }
 
   const int rank_;
   const int size_;
   const uint32_t generation_;
   const std::vector<std::pair<std::string, int>> peers_;
+  const uint32_t group_key_;
+  gloo::transport::tcp::attr attr_;
+  std::atomic<bool> released_{false};
   std::atomic<int64_t> timeout_ms_{0};   // read by ops on other threads; set_timeout may change it
   gloo::transport::StorelessOptions options_;
 
@@ -812,6 +900,8 @@ void bind_context(py::module_& m) {
       "or connected with a newer generation.  It can never join; the message names the "
       "peer and both generations, and newer_generation holds the peer's.");
   py::register_exception_translator(&translate);
+  // Group keys repeat modulo this (the group_key argument of Context).
+  m.attr("GROUP_KEYS") = py::int_(gloo::transport::tcp::kGroupKeys);
 
   py::class_<P2PRequest>(m, "Request", R"doc(
 A posted send or receive (Context.isend / Context.irecv).
@@ -854,18 +944,23 @@ With lazy=True, connect() counts the members up and down a binomial tree (at mos
 log2(size)+1 peers each), and every other pair is connected the first time an operation uses it,
 within connect_timeout of that use (the higher rank dials; a lower rank rings the
 higher one's doorbell so it dials at once, whatever the order the ranks arrive in).
+Every group of a process that listens on the same (host, port) shares one listener:
+group_key (taken modulo 1024; hpct passes the group's index) is carried in every
+handshake and routes each connection to its own group, so live groups on one port
+need distinct keys (ValueError otherwise).  abort() and close() close only this
+group's key; the port is freed when the last group on it is gone.
 With connect=False call connect() later (e.g. in a thread, to abort it).
 Every blocking method releases the GIL; abort() may be called from any thread.
 )doc")
       .def(py::init<int, int, uint32_t, std::vector<std::pair<std::string, int>>, double, double,
-                    bool, double, double, double, double, double, double, int, bool>(),
+                    bool, double, double, double, double, double, double, int, bool, uint32_t>(),
            py::arg("rank"), py::arg("size"), py::arg("generation"), py::arg("peers"),
            py::arg("timeout") = 30.0, py::arg("connect_timeout") = 60.0,
            py::arg("connect") = true, py::arg("retry_delay_initial") = 0.01,
            py::arg("retry_delay_max") = 0.5, py::arg("bind_retry_timeout") = 2.0,
            py::arg("ack_timeout") = 1.0, py::arg("keepalive_idle") = 5.0,
            py::arg("keepalive_interval") = 1.0, py::arg("keepalive_count") = 5,
-           py::arg("lazy") = false)
+           py::arg("lazy") = false, py::arg("group_key") = 0)
       .def("connect", &StorelessContext::connect,
            "Connect the full mesh, or with lazy=True a binomial tree of pairs (blocks "
            "until connected or the connect deadline passes: ConnectTimeoutError naming "
@@ -874,7 +969,8 @@ Every blocking method releases the GIL; abort() may be called from any thread.
            "Number of peers connected now (lazy=True: only the pairs operations have used).")
       .def("abort", &StorelessContext::abort, py::arg("reason") = "aborted by the application",
            "Abort: every waiting and later op raises AbortedError; connections are reset; "
-           "the listening port is freed. Idempotent; bounded; callable from any thread.")
+           "the listening port is freed (once no other group uses it). Idempotent; bounded; "
+           "callable from any thread.")
       .def("close", &StorelessContext::close,
            "Abort if needed, wait for a running op to return, release the device.")
       .def("allreduce", &StorelessContext::allreduce, py::arg("buffer"), py::arg("op") = "sum",
