@@ -89,15 +89,16 @@ def _survivors(pg: HpctProcessGroup, excluded) -> tuple[list[int], int]:
 
 
 @contextlib.contextmanager
-def _group_generation(gen: int):
-    """Groups made inside form at ``gen`` instead of the world's generation."""
+def _group_generation(gen: int, key: int | None = None):
+    """Groups made inside form at ``gen`` instead of the world's generation, and with the group
+    key ``key`` (the shrunk group's own: it replaces that group on the shared port)."""
     with world._LOCK:
-        world._state.group_generation = gen
+        world._state.group_generation, world._state.group_key = gen, key
     try:
         yield
     finally:
         with world._LOCK:
-            world._state.group_generation = None
+            world._state.group_generation, world._state.group_key = None, None
 
 
 def shrink(ranks_to_exclude: list[int], group=None, shrink_flags: int = SHRINK_DEFAULT):
@@ -115,9 +116,10 @@ def shrink(ranks_to_exclude: list[int], group=None, shrink_flags: int = SHRINK_D
         plan = [world.plan_rank(r) for r in survivors]
         return world.recover(world_size=len(survivors), rank=new_rank, plan_ranks=plan)
     gen = pg.generation + 1
+    key = getattr(pg, "group_key", None)
     pg.abort("shrinking the group")
     dist.destroy_process_group(pg)
-    with _group_generation(gen):
+    with _group_generation(gen, key):
         return dist.new_group(survivors, use_local_synchronization=True)
 
 
@@ -145,12 +147,14 @@ def _torch_shrink(pg: HpctProcessGroup, excluded, shrink_flags, pg_options) -> H
         with world._LOCK:
             st = world._state
             st.rank, st.world_size, st.plan_ranks, st.generation = new_rank, len(survivors), plan, gen
-        return world._create(_backend_options(new_rank, len(survivors), list(range(len(survivors))),
-                                              "0", timeout))
+        with _group_generation(gen, 0):      # the world's key
+            return world._create(_backend_options(new_rank, len(survivors), list(range(len(survivors))),
+                                                  "0", timeout))
     gen = pg.generation + 1
+    key = getattr(pg, "group_key", None)
     pg.abort("shrinking the group")
     pg.shutdown()
-    with _group_generation(gen):
+    with _group_generation(gen, key):
         return world._create(_backend_options(new_rank, len(survivors), survivors,
                                               f"{pg.group_name}:shrunk:{gen}", timeout))
 

@@ -36,15 +36,19 @@ import torch.distributed as dist
 from .. import _gloo
 from ..errors import CollectiveError, PortPlanError, RendezvousError
 
-def group_key(index: int) -> int:
-    """The key a group's Gloo handshakes carry (see the module doc)."""
+def group_key(index: int, is_world: bool | None = None) -> int:
+    """The key a group's Gloo handshakes carry (see the module doc); a subgroup never gets 0,
+    even one torch numbers 0 (after a default-group shrink it counts from 0 again)."""
     keys = _gloo.GROUP_KEYS
-    return 0 if index == 0 else 1 + (index - 1) % (keys - 1)
+    if is_world is None:
+        is_world = index == 0
+    return 0 if is_world else 1 + (index - 1) % (keys - 1)
 
 
-def check_key(name: str, index: int, live: list) -> int:
-    """The key of a new group; PortPlanError if a live group of this process holds it."""
-    key = group_key(index)
+def check_key(name: str, index: int, live: list, is_world: bool | None = None, key: int | None = None) -> int:
+    """The key of a new group (``key``: given, for a shrunk group that keeps its own); PortPlanError
+    if a live group of this process holds it."""
+    key = group_key(index, is_world) if key is None else key
     for pg in live:
         if getattr(pg, "group_key", None) == key:
             raise PortPlanError(

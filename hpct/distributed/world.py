@@ -60,6 +60,7 @@ class _State:
     plan_ranks: list | None = None   # global rank -> its place in the port plan (None: the same);
                                      # a shrink renumbers ranks, each survivor keeps its address
     group_generation: int | None = None  # generation of the next group made (elastic.py), else the world's
+    group_key: int | None = None         # group key of the next group made (elastic.py), else from its index
 
 
 _state = _State()
@@ -107,14 +108,17 @@ def _create(dist_opts, backend_options=None):
     """The c10d creator (extended API): build and connect one storeless context."""
     cfg = _config()
     with _LOCK:
-        gen = _state.group_generation
+        gen, forced_key = _state.group_generation, _state.group_key
     gen = _current_generation() if gen is None else gen
     group_rank, group_size = dist_opts.group_rank, dist_opts.group_size
     global_ranks = list(dist_opts.global_ranks_in_group) or list(range(group_size))
     name = str(dist_opts.group_id)
     index = _group_index(name)
     p = cfg.nproc_per_node
-    key = slots.check_key(name, index, live_groups())
+    # Key 0 is the world's: the group torch makes first (after a default-group shrink torch
+    # numbers new groups from "0" again, and those are subgroups).
+    is_world = index == 0 and name == "0" and not dist.is_initialized()
+    key = slots.check_key(name, index, live_groups(), is_world, forced_key)
     # Only the NCCL block still holds a port per live group (a communicator's own listener).
     slot = slots.choose(name, index, global_ranks, group_rank, live_groups(), cfg) \
         if _serves_cuda() else None
