@@ -54,7 +54,7 @@ def main(argv=None) -> int:
         for r, nd in enumerate(net.nodes):
             env = {"RANK": str(r), "WORLD_SIZE": str(args.world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                    "N_PROC_PER_NODE": "1", "HPCT_HOSTS": hosts, "HPCT_PORT_BASE": "13000",
-                   "HPCT_PORT_SLOTS": str(max(ks) + 2), "HPCT_CONNECT_TIMEOUT": "60",
+                   "HPCT_CONNECT_TIMEOUT": "60",
                    "MASTER_ADDR": net.nodes[0].address, "MASTER_PORT": "12900", "GLOO_SOCKET_IFNAME": "eth0",
                    "OMP_NUM_THREADS": "1"}
             procs.append(nd.popen([sys.executable, str(RANK), str(args.mib), args.ks, str(args.reps)], env=env,
