@@ -86,18 +86,13 @@ def run_once(mode: str, size: int, timeout: float) -> float:
         for p in procs:
             p.stdin.write(f"{go}\n")
             p.stdin.flush()
-        times = []
+    except BaseException:
         for p in procs:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            if p.returncode != 0:
-                raise RuntimeError(f"{mode} N={size}: rank failed:\n{err[-2000:]}")
-            times.append(json.loads(out.strip().splitlines()[-1])["seconds"])
-        return max(times)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
+            p.kill()
+            p.wait(timeout=10)
+        raise
+    from hpct.demo.agent import slowest_rank_seconds
+    return slowest_rank_seconds(procs, deadline, f"{mode} N={size}")
 
 
 def main(argv=None) -> int:

@@ -21,7 +21,6 @@ Prints a table with the ratio torch / hpct per N.  Every process is bounded by a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -72,20 +71,8 @@ def run_once(mode: str, size: int, groups: int, timeout: float) -> float:
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/",
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
              for r in range(size)]
-    deadline = time.monotonic() + timeout
-    try:
-        times = []
-        for p in procs:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            if p.returncode != 0:
-                raise RuntimeError(f"{mode} N={size}: rank failed:\n{err[-2000:]}")
-            times.append(json.loads(out.strip().splitlines()[-1])["seconds"])
-        return max(times)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
+    from hpct.demo.agent import slowest_rank_seconds
+    return slowest_rank_seconds(procs, time.monotonic() + timeout, f"{mode} N={size}")
 
 
 def main(argv=None) -> int:

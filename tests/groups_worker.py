@@ -18,26 +18,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dist_worker import tcp_sockets     # tests/ is this script's folder
+
 GROUPS = 64
 
 
 def listening_ports() -> set[int]:
     """Local ports of this process's listening TCP sockets."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            f = line.split()
-            if f[9] in inodes and f[3] == "0A":
-                ports.add(int(f[1].split(":")[1], 16))
-    return ports
+    return {port for port, _, state in tcp_sockets() if state == "LISTEN"}
 
 
 def many(rank: int, n: int) -> dict:
