@@ -3,7 +3,7 @@
 #
 #   ci/gpu.sh [--preflight] [--skip-build]
 #
-# Target: one H100, driver >= 580, nvcc 13.0, Python 3.12 with torch 2.11.0+cu130 and
+# Target: one H100 or H200 (sm_90), driver >= 580, nvcc 13.0, Python 3.12 with torch 2.11.0+cu130 and
 # nvidia-nccl-cu13 installed, no network, <= 8 minutes.  Steps:
 #   1. preflight (CPU side, also run in CI): arguments, tools, torch, a CUDA device;
 #   2. build the patched NCCL for this GPU's arch only (NCCL_BUILD_ARGS below);
