@@ -1,0 +1,178 @@
+"""The cluster agent of tests/test_churn.py: ranks in network namespaces, spares, events.
+
+Each rank is a tests/churn_worker.py process in the namespace of its plan place (place p on
+node p // P).  The agent keeps one warm spare per node (torch already imported), so that a
+replacement or a joiner costs a connect, not an interpreter start.  It talks to every process
+through its stdin/stdout (JSON lines) and waits for each answer with a deadline; any process
+still alive at the end is killed (SIGCONT first, so a stopped one can die).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+WORKER = str(Path(__file__).with_name("churn_worker.py"))
+ANSWER_S = 60.0           # any answer a process owes the agent arrives within this, or the test fails
+
+
+@dataclass
+class Proc:
+    node: int
+    popen: subprocess.Popen
+    log: Path
+    place: int = -1
+    events: queue.Queue = field(default_factory=queue.Queue)
+
+    def send(self, **cmd) -> None:
+        self.popen.stdin.write(json.dumps(cmd) + "\n")
+        self.popen.stdin.flush()
+
+    def expect(self, *names: str, timeout: float = ANSWER_S) -> dict:
+        """The next event; it must be one of ``names``."""
+        try:
+            ev = self.events.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"place {self.place} (pid {self.popen.pid}) gave no {names} within "
+                                 f"{timeout:g} s: a hang\n{self.tail()}") from None
+        assert ev["ev"] in names, f"place {self.place}: expected {names}, got {ev}\n{self.tail()}"
+        return ev
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.kill(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def tail(self) -> str:
+        try:
+            return self.log.read_text()[-3000:]
+        except OSError:
+            return ""
+
+
+class Cluster:
+    """``nodes`` (Namespaces) x ``nproc`` places; the job's world lives in ``members`` (rank order)."""
+
+    def __init__(self, nodes, nproc: int, port_base: int, out: Path, op_timeout: float = 30.0):
+        self.nodes, self.nproc, self.out, self.op_timeout = nodes, nproc, out, op_timeout
+        self.env = {k: v for k, v in os.environ.items()
+                    if not k.startswith(("HPCT_", "TORCH_GLOO", "RANK", "WORLD_SIZE", "LOCAL_"))}
+        self.env.update({"HPCT_HOSTS": ",".join(n.address for n in nodes), "N_PROC_PER_NODE": str(nproc),
+                         "HPCT_PORT_BASE": str(port_base), "HPCT_CONNECT_TIMEOUT": "20",
+                         "OMP_NUM_THREADS": "1"})
+        self.members: list[Proc] = []
+        self.spares: dict[int, Proc] = {}
+        self.everyone: list[Proc] = []
+        self.gen = 0
+
+    # ---- processes -------------------------------------------------------------------------
+    def spawn(self, node: int) -> Proc:
+        log = self.out / f"proc-{len(self.everyone)}-node{node}.log"
+        with open(log, "w") as err:
+            popen = self.nodes[node].popen([sys.executable, "-u", WORKER], env=self.env, stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = Proc(node, popen, log)
+        threading.Thread(target=self._pump, args=(proc,), daemon=True).start()
+        self.everyone.append(proc)
+        return proc
+
+    @staticmethod
+    def _pump(proc: Proc) -> None:
+        for line in proc.popen.stdout:
+            try:
+                proc.events.put(json.loads(line))
+            except ValueError:
+                pass                      # stray output (a library's print), not an event
+        proc.events.put({"ev": "exited", "code": proc.popen.wait()})
+
+    def refill_spares(self) -> None:
+        for node in range(len(self.nodes)):
+            if node not in self.spares:
+                self.spares[node] = self.spawn(node)
+
+    def take_spare(self, place: int) -> Proc:
+        proc = self.spares.pop(place // self.nproc)
+        proc.expect("spare", timeout=ANSWER_S)
+        proc.place = place
+        return proc
+
+    def stop_all(self) -> None:
+        for p in self.everyone:
+            if p.popen.poll() is None:
+                p.signal(signal.SIGCONT)
+                p.popen.kill()
+        for p in self.everyone:
+            try:
+                p.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    # ---- membership ------------------------------------------------------------------------
+    @property
+    def plan(self) -> list[int]:
+        return [m.place for m in self.members]
+
+    def free_places(self) -> list[int]:
+        return [p for p in range(len(self.nodes) * self.nproc) if p not in self.plan]
+
+    def start(self, size: int) -> list[dict]:
+        self.refill_spares()
+        self.members = [self.take_spare(0)]          # node 0's spare is place 0
+        self.refill_spares()
+        for place in range(1, size):
+            if place // self.nproc not in self.spares:
+                self.refill_spares()
+            self.members.append(self.take_spare(place))
+            self.refill_spares()
+        for rank, m in enumerate(self.members):
+            m.send(cmd="join", rank=rank, size=size, gen=0, plan=self.plan, member=True,
+                   op_timeout=self.op_timeout)
+        return self.collect(self.members, ("reformed",))
+
+    @staticmethod
+    def collect(procs, names, timeout: float = ANSWER_S) -> list[dict]:
+        end = time.monotonic() + timeout
+        return [p.expect(*names, timeout=max(end - time.monotonic(), 0.1)) for p in procs]
+
+    def reform(self, how: str, *, lost: list[Proc] = (), joiners: int = 0, places=None) -> list[dict]:
+        """Re-form the world; returns every new member's "reformed" event (rank order)."""
+        old = self.members
+        gen = self.gen + 1
+        if how == "shrink":
+            exclude = [old.index(p) for p in lost]
+            self.members = [m for m in old if m not in lost]
+            for m in self.members:
+                m.send(cmd="reform", how="shrink", exclude=exclude)
+            new = []
+        elif how == "replace":
+            new = [self.take_spare(p.place) for p in lost]
+            self.members = [new[lost.index(m)] if m in lost else m for m in old]
+            for m in old:
+                if m not in lost:
+                    m.send(cmd="reform", how="recover", joiners=True)
+        elif how == "grow":
+            new = [self.take_spare(p) for p in places]
+            self.members = old + new
+            for m in old:
+                m.send(cmd="reform", how="grow", size=len(self.members), plan=self.plan, joiners=True)
+        else:                                         # "check": same world, parity only
+            new = []
+            for m in old:
+                m.send(cmd="reform", how="check")
+        for p in new:
+            p.send(cmd="join", rank=self.members.index(p), size=len(self.members), gen=gen, plan=self.plan,
+                   op_timeout=self.op_timeout)
+        got = self.collect(self.members, ("reformed",))
+        if how != "check":
+            self.gen = gen
+        self.refill_spares()
+        return got

@@ -1,0 +1,168 @@
+"""Churn while ops are in flight (issue 18, item 3): a bounded, seeded, randomized stress.
+
+8 ranks, 2 per network namespace on 4 namespaces, behind the userspace lossy switch
+(tests/lossy.py: loss and delay on every link).  The test is the cluster agent: it keeps the
+ranks training a tiny deterministic model (one all_reduce per step) and, while steps are in
+flight, injects random events: SIGKILL a rank (then replace it at the next generation with
+hd.recover, or shrink), SIGSTOP a rank (then SIGKILL it, or SIGCONT it), a graceful leave
+(the others shrink), and at a step boundary a join (hd.grow back toward 8).  Up to two ranks
+are hit in one round.
+
+Checked for every event: each member that was waiting ends with "done" or with a clear error
+(an HpctError subclass, with a message), within a deadline; the world re-forms; every member
+then holds bit-identical state (the digests agree, and hd.sync_state finds nothing to repair).
+No timing is asserted: the deadlines only turn a hang into a failure.
+
+    HPCT_CHURN_EVENTS   events to inject (default 200)
+    HPCT_CHURN_SEED     the RNG seed (default: random, printed; rerun with it to reproduce)
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from churn_cluster import ANSWER_S, Cluster
+from gloo_helpers import free_block
+from lossy import lossy_network
+from netns import unavailable_reason
+
+pytestmark = [pytest.mark.multihost, pytest.mark.multiprocess, pytest.mark.slow]
+
+NODES, NPROC, FULL, SMALLEST = 4, 2, 8, 4
+LOSS, DELAY_MS = 0.01, 2.0
+STEPS = 6                  # steps per round: long enough that events land mid-step
+HARD_DEADLINE_S = 900.0    # the whole stress, however slow the machine: a hang fails, never waits
+
+
+def _outcomes(cluster, waiting, deadline):
+    """Each waiting member's answer: "done" or "failed" with a clear hpct error."""
+    got = {}
+    for m in waiting:
+        ev = m.expect("done", "failed", timeout=min(ANSWER_S, max(deadline - time.monotonic(), 1)))
+        if ev["ev"] == "failed":
+            assert not ev.get("unclear"), f"place {m.place}: not an hpct error: {ev}"
+            assert ev["message"].strip(), ev
+        got[m.place] = ev
+    return got
+
+
+def _check_parity(events, cluster):
+    sizes = {e["size"] for e in events}
+    assert sizes == {len(cluster.members)}, events
+    assert [e["rank"] for e in events] == list(range(len(cluster.members))), events
+    assert len({e["gen"] for e in events}) == 1, events
+    assert len({e["digest"] for e in events}) == 1, f"state diverged after the change: {events}"
+    assert len({e["pre"] for e in events if e["pre"] is not None}) == 1, events
+    assert all(e["moves"] == 0 for e in events), f"sync_state had to repair: {events}"
+
+
+def _round(cluster, rng, log):
+    """One round: train, hit 0-2 ranks (or grow at the boundary), re-form, check parity.
+    Returns the number of events injected."""
+    members = list(cluster.members)
+    size = len(members)
+    kinds = ["kill", "stop_kill", "stop_cont", "leave"] + (["join"] * 2 if size < FULL else [])
+    kind = rng.choice(kinds)
+    if kind == "leave" and size <= SMALLEST:
+        kind = "kill"                   # a leave can only shrink; kill can be replaced
+    for m in members:
+        m.send(cmd="train", steps=STEPS)
+    if kind == "join":
+        _outcomes(cluster, members, time.monotonic() + ANSWER_S)
+        free = cluster.free_places()
+        places = rng.sample(free, rng.randint(1, min(2, len(free))))
+        # one warm spare per node: joiners on distinct nodes
+        places = list({p // NPROC: p for p in places}.values())
+        log(f"join places {places}")
+        _check_parity(cluster.reform("grow", joiners=len(places), places=places), cluster)
+        return len(places)
+    count = 2 if size - 2 >= SMALLEST and rng.random() < 0.3 else 1
+    victims = rng.sample(members, count)
+    time.sleep(rng.uniform(0.0, 0.4))           # somewhere inside the round's steps
+    events = 0
+    for v in victims:
+        if kind == "leave":
+            v.send(cmd="leave")
+        elif kind == "kill":
+            v.signal(signal.SIGKILL)
+        else:
+            v.signal(signal.SIGSTOP)
+        events += 1
+    if kind.startswith("stop"):
+        time.sleep(rng.uniform(0.05, 0.6))       # the others wait on a stopped peer meanwhile
+        for v in victims:
+            v.signal(signal.SIGKILL if kind == "stop_kill" else signal.SIGCONT)
+            events += 1
+    log(f"{kind} places {[v.place for v in victims]} of world {size}")
+    deadline = time.monotonic() + ANSWER_S
+    if kind == "stop_cont":
+        got = _outcomes(cluster, members, deadline)
+        how = "check" if all(e["ev"] == "done" for e in got.values()) else "recover-all"
+        log(f"  resumed: {sorted(e['ev'] for e in got.values())}")
+        if how == "recover-all":        # someone failed anyway (a timeout): same membership
+            return events + _reform_after_loss(cluster, rng, [], log)
+        _check_parity(cluster.reform("check"), cluster)
+        return events
+    got = _outcomes(cluster, [m for m in members if m not in victims], deadline)
+    if kind == "leave":
+        for v in victims:                    # it may have finished or failed first
+            while v.expect("left", "done", "failed")["ev"] != "left":
+                pass
+    log(f"  outcomes: {sorted((e['ev'], e.get('type', '')) for e in got.values())}")
+    return events + _reform_after_loss(cluster, rng, victims, log, leave=(kind == "leave"))
+
+
+def _reform_after_loss(cluster, rng, lost, log, leave=False):
+    size = len(cluster.members)
+    nodes = {v.place // NPROC for v in lost}
+    can_replace = len(nodes) == len(lost) and not leave
+    if not lost:
+        how = "replace"
+    elif can_replace and (size - len(lost) < SMALLEST or rng.random() < 0.5):
+        how = "replace"
+    else:
+        how = "shrink"
+    log(f"  {how} (generation {cluster.gen + 1})")
+    _check_parity(cluster.reform(how, lost=lost), cluster)
+    return 0
+
+
+def test_churn_with_ops_in_flight_ends_in_clear_errors_and_bit_identical_reformed_worlds(tmp_path):
+    why = unavailable_reason()
+    if why:
+        pytest.skip(why)
+    target = int(os.environ.get("HPCT_CHURN_EVENTS", "200"))
+    seed = int(os.environ.get("HPCT_CHURN_SEED", str(random.SystemRandom().randrange(1 << 32))))
+    print(f"HPCT_CHURN_SEED={seed} HPCT_CHURN_EVENTS={target}", flush=True)
+    rng = random.Random(seed)
+    lines: list[str] = []
+    t0 = time.monotonic()
+
+    def log(text):
+        lines.append(f"[{time.monotonic() - t0:7.2f}] {text}")
+        print(lines[-1], flush=True)
+
+    with lossy_network(NODES, loss=LOSS, delay_ms=DELAY_MS, seed=seed,
+                       max_seconds=HARD_DEADLINE_S + 60) as net:
+        cluster = Cluster(net.nodes, NPROC, free_block(NPROC), tmp_path)
+        try:
+            _check_parity(cluster.start(FULL), cluster)
+            log(f"world of {FULL} formed")
+            events = rounds = 0
+            while events < target:
+                assert time.monotonic() - t0 < HARD_DEADLINE_S, f"stress past its hard deadline: {lines[-5:]}"
+                events += _round(cluster, rng, log)
+                rounds += 1
+            for m in cluster.members:
+                m.send(cmd="exit")
+            for m in cluster.members:
+                m.expect("exited")
+            log(f"{events} events in {rounds} rounds, {time.monotonic() - t0:.1f} s; "
+                f"world {len(cluster.members)} at generation {cluster.gen}; link {net.stats()}")
+        finally:
+            cluster.stop_all()
