@@ -22,6 +22,8 @@ from pathlib import Path
 
 WORKER = str(Path(__file__).with_name("churn_worker.py"))
 ANSWER_S = 60.0           # any answer a process owes the agent arrives within this, or the test fails
+STARTUP_S = 240.0         # an interpreter importing torch on a loaded 2-core machine: a start, not a hang
+SPARES_PER_NODE = 2       # a round may replace two ranks of one node, or admit a joiner next to one
 
 
 @dataclass
@@ -70,7 +72,7 @@ class Cluster:
                          "HPCT_PORT_BASE": str(port_base), "HPCT_CONNECT_TIMEOUT": "20",
                          "OMP_NUM_THREADS": "1"})
         self.members: list[Proc] = []
-        self.spares: dict[int, Proc] = {}
+        self.spares: dict[int, list[Proc]] = {n: [] for n in range(len(nodes))}
         self.everyone: list[Proc] = []
         self.gen = 0
 
@@ -95,13 +97,13 @@ class Cluster:
         proc.events.put({"ev": "exited", "code": proc.popen.wait()})
 
     def refill_spares(self) -> None:
-        for node in range(len(self.nodes)):
-            if node not in self.spares:
-                self.spares[node] = self.spawn(node)
+        for node, spares in self.spares.items():
+            while len(spares) < SPARES_PER_NODE:
+                spares.append(self.spawn(node))
 
     def take_spare(self, place: int) -> Proc:
-        proc = self.spares.pop(place // self.nproc)
-        proc.expect("spare", timeout=ANSWER_S)
+        proc = self.spares[place // self.nproc].pop(0)      # the oldest: most likely ready
+        proc.expect("spare", timeout=STARTUP_S)
         proc.place = place
         return proc
 
@@ -125,14 +127,12 @@ class Cluster:
         return [p for p in range(len(self.nodes) * self.nproc) if p not in self.plan]
 
     def start(self, size: int) -> list[dict]:
+        starting = [self.spawn(place // self.nproc) for place in range(size)]   # all import at once
         self.refill_spares()
-        self.members = [self.take_spare(0)]          # node 0's spare is place 0
-        self.refill_spares()
-        for place in range(1, size):
-            if place // self.nproc not in self.spares:
-                self.refill_spares()
-            self.members.append(self.take_spare(place))
-            self.refill_spares()
+        for place, proc in enumerate(starting):
+            proc.expect("spare", timeout=STARTUP_S)
+            proc.place = place
+        self.members = starting
         for rank, m in enumerate(self.members):
             m.send(cmd="join", rank=rank, size=size, gen=0, plan=self.plan, member=True,
                    op_timeout=self.op_timeout)

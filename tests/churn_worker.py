@@ -134,7 +134,7 @@ def settle(member: bool, joiners: bool, t0: float) -> None:
     n = torch.tensor([done if member else FAR], dtype=torch.int64)
     dist.all_reduce(n, op=dist.ReduceOp.MIN)
     agreed = int(n.item())
-    pre = None
+    pre, back = None, (done - agreed if member else 0)
     if member:
         if agreed not in kept:
             raise RuntimeError(f"steps done {done}, the group agreed on {agreed}: no state kept for it")
@@ -148,7 +148,7 @@ def settle(member: bool, joiners: bool, t0: float) -> None:
     keep()
     emit("reformed", rank=dist.get_rank(), size=dist.get_world_size(), gen=hd.generation(), done=done,
          pre=pre, digest=digest(), moves=len(report.moves), compared=report.tensors,
-         seconds=time.monotonic() - t0)
+         back=back, seconds=time.monotonic() - t0)
 
 
 def reform(cmd: dict) -> None:
