@@ -69,12 +69,13 @@ class Cluster:
         self.env = {k: v for k, v in os.environ.items()
                     if not k.startswith(("HPCT_", "TORCH_GLOO", "RANK", "WORLD_SIZE", "LOCAL_"))}
         self.env.update({"HPCT_HOSTS": ",".join(n.address for n in nodes), "N_PROC_PER_NODE": str(nproc),
-                         "HPCT_PORT_BASE": str(port_base), "HPCT_CONNECT_TIMEOUT": "20",
+                         "HPCT_PORT_BASE": str(port_base), "HPCT_CONNECT_TIMEOUT": "10",
                          "OMP_NUM_THREADS": "1"})
         self.members: list[Proc] = []
         self.spares: dict[int, list[Proc]] = {n: [] for n in range(len(nodes))}
         self.everyone: list[Proc] = []
         self.gen = 0
+        self.reform_errors: list[str] = []    # error types of re-formations a loss broke
 
     # ---- processes -------------------------------------------------------------------------
     def spawn(self, node: int) -> Proc:
@@ -143,8 +144,12 @@ class Cluster:
         end = time.monotonic() + timeout
         return [p.expect(*names, timeout=max(end - time.monotonic(), 0.1)) for p in procs]
 
-    def reform(self, how: str, *, lost: list[Proc] = (), joiners: int = 0, places=None) -> list[dict]:
-        """Re-form the world; returns every new member's "reformed" event (rank order)."""
+    def reform(self, how: str, *, lost: list[Proc] = (), joiners: int = 0, places=None,
+               during=None) -> list[dict]:
+        """Re-form the world; returns every new member's "reformed" event (rank order).
+
+        ``during(members)`` runs once the commands are out (the test kills a rank there) and
+        returns the ranks it lost; the survivors then re-form again without them."""
         old = self.members
         gen = self.gen + 1
         if how == "shrink":
@@ -171,8 +176,25 @@ class Cluster:
         for p in new:
             p.send(cmd="join", rank=self.members.index(p), size=len(self.members), gen=gen, plan=self.plan,
                    op_timeout=self.op_timeout)
-        got = self.collect(self.members, ("reformed",))
+        if during is None:
+            got = self.collect(self.members, ("reformed",))
+        else:
+            gone = during(list(self.members))
+            self.members = [m for m in self.members if m not in gone]
+            got = self.collect(self.members, ("reformed", "reform_failed"))
+            for attempt in range(3):          # a failed attempt is an error on every member, then again
+                failed = [e for e in got if e["ev"] == "reform_failed"]
+                assert not any(e.get("unclear") for e in failed), failed
+                self.reform_errors += [e["type"] for e in failed]
+                if not failed and not gone:
+                    break
+                gone = []
+                gen = max(e["gen"] for e in got) + 1
+                for rank, m in enumerate(self.members):
+                    m.send(cmd="reform", how="rejoin", rank=rank, size=len(self.members), plan=self.plan, gen=gen)
+                got = self.collect(self.members, ("reformed", "reform_failed"))
+            assert all(e["ev"] == "reformed" for e in got), got
         if how != "check":
-            self.gen = gen
+            self.gen = max(gen, got[0]["gen"])
         self.refill_spares()
         return got

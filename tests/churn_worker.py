@@ -11,6 +11,8 @@ rather than hang.
     {"cmd": "leave"}                 (between steps) close gracefully and exit 0
     {"cmd": "reform", "how": "shrink"|"recover"|"grow"|"check", "exclude", "size", "plan",
      "joiners": bool}                re-form the world, then check parity; reports "reformed"
+                                     (or "reform_failed": a member was lost meanwhile)
+    {"cmd": "reform", "how": "rejoin", "rank", "size", "plan", "gen"}   after a failed one
     {"cmd": "exit"}
 
 Parity after a change: a collective that failed mid-step changes no state here (the update
@@ -160,6 +162,8 @@ def reform(cmd: dict) -> None:
         hd.recover()
     elif how == "grow":
         hd.grow(cmd["size"], plan_ranks=cmd["plan"])
+    elif how == "rejoin":     # after a failed change: the membership and generation the agent names
+        hd.recover(world_size=cmd["size"], rank=cmd["rank"], generation=cmd["gen"], plan_ranks=cmd["plan"])
     settle(True, cmd.get("joiners", False), t0)
 
 
@@ -197,7 +201,8 @@ def main() -> int:
                 return 4
         except Exception as err:
             hd.abort_all("reform failed")
-            emit("reform_failed", type=type(err).__name__, message=str(err)[:800])
+            emit("reform_failed", type=type(err).__name__, message=str(err)[:800], gen=hd.generation(),
+                 unclear=not isinstance(err, hd.HpctError))
 
 
 if __name__ == "__main__":

@@ -15,10 +15,13 @@ No timing is asserted: the deadlines only turn a hang into a failure.
 
     HPCT_CHURN_EVENTS   events to inject (default 200)
     HPCT_CHURN_SEED     the RNG seed (default: random, printed; rerun with it to reproduce)
+    HPCT_CHURN_LOSS, HPCT_CHURN_DELAY_MS   the link's impairment (default 0.01 and 2 ms)
+    HPCT_CHURN_DURING   the share of shrinks during which one more rank is killed (default 0.15)
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import signal
@@ -34,7 +37,8 @@ from netns import unavailable_reason
 pytestmark = [pytest.mark.multihost, pytest.mark.multiprocess, pytest.mark.slow]
 
 NODES, NPROC, FULL, SMALLEST = 4, 2, 8, 4
-LOSS, DELAY_MS = 0.01, 2.0
+LOSS = float(os.environ.get("HPCT_CHURN_LOSS", "0.01"))          # fraction of frames dropped
+DELAY_MS = float(os.environ.get("HPCT_CHURN_DELAY_MS", "2"))     # each way, every link
 STEPS = 6                  # steps per round: long enough that events land mid-step
 HARD_DEADLINE_S = 900.0    # the whole stress, however slow the machine: a hang fails, never waits
 
@@ -64,6 +68,7 @@ def _check_parity(events, cluster):
 
 
 STATS = {"changes": 0, "rolled_back": 0}
+DURING_REFORM = float(os.environ.get("HPCT_CHURN_DURING", "0.15"))   # share of shrinks during which another rank is killed
 ACTIONS = ["kill", "stop_kill", "stop_cont", "leave"]
 
 
@@ -120,9 +125,21 @@ def _reform_after_loss(cluster, rng, lost, log, leave=False):
         how = "replace"
     else:
         how = "shrink"
+    during, hit = None, []
+    if how == "shrink" and size - len(lost) - 1 >= SMALLEST and rng.random() < DURING_REFORM:
+        def during(members):
+            # a rank lost while the survivors re-form: their attempt fails (RendezvousError at the
+            # connect deadline, or a CollectiveError in the parity check), the agent re-forms again
+            time.sleep(rng.uniform(0.0, 0.3))
+            hit.append(rng.choice(members))
+            hit[0].signal(signal.SIGKILL)
+            return hit
     log(f"  {how} (generation {cluster.gen + 1})")
-    _check_parity(cluster.reform(how, lost=lost), cluster)
-    return 0
+    events = cluster.reform(how, lost=lost, during=during)
+    if hit:
+        log(f"  killed place {hit[0].place} during the {how}; re-formed at generation {events[0]['gen']}")
+    _check_parity(events, cluster)
+    return len(hit)
 
 
 def test_churn_with_ops_in_flight_ends_in_clear_errors_and_bit_identical_reformed_worlds(tmp_path):
@@ -157,6 +174,7 @@ def test_churn_with_ops_in_flight_ends_in_clear_errors_and_bit_identical_reforme
             for m in cluster.members:
                 m.expect("exited")
             log(f"{events} events in {rounds} rounds, {time.monotonic() - t0:.1f} s; "
-                f"world {len(cluster.members)} at generation {cluster.gen}; {STATS}; link {net.stats()}")
+                f"world {len(cluster.members)} at generation {cluster.gen}; {STATS}; broken re-formations "
+                f"{collections.Counter(cluster.reform_errors)}; link {net.stats()}")
         finally:
             cluster.stop_all()
