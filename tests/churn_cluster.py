@@ -32,6 +32,7 @@ class Proc:
     popen: subprocess.Popen
     log: Path
     place: int = -1
+    ready: bool = False        # torch imported: it said "spare"
     events: queue.Queue = field(default_factory=queue.Queue)
 
     def send(self, **cmd) -> None:
@@ -92,7 +93,9 @@ class Cluster:
     def _pump(proc: Proc) -> None:
         for line in proc.popen.stdout:
             try:
-                proc.events.put(json.loads(line))
+                ev = json.loads(line)
+                proc.ready = proc.ready or ev.get("ev") == "spare"
+                proc.events.put(ev)
             except ValueError:
                 pass                      # stray output (a library's print), not an event
         proc.events.put({"ev": "exited", "code": proc.popen.wait()})
@@ -102,8 +105,18 @@ class Cluster:
             while len(spares) < SPARES_PER_NODE:
                 spares.append(self.spawn(node))
 
+    def ready_spares(self) -> dict[int, int]:
+        """node -> spares there that are ready now (a round prefers a move that needs no wait)."""
+        return {node: sum(p.ready for p in spares) for node, spares in self.spares.items()}
+
+    def can_place(self, places) -> bool:
+        ready = self.ready_spares()
+        return all(sum(q // self.nproc == node for q in places) <= n for node, n in ready.items())
+
     def take_spare(self, place: int) -> Proc:
-        proc = self.spares[place // self.nproc].pop(0)      # the oldest: most likely ready
+        spares = self.spares[place // self.nproc]
+        proc = next((p for p in spares if p.ready), spares[0])
+        spares.remove(proc)
         proc.expect("spare", timeout=STARTUP_S)
         proc.place = place
         return proc

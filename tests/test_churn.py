@@ -83,6 +83,8 @@ def _round(cluster, rng, log):
         _outcomes(cluster, members, time.monotonic() + ANSWER_S)
         free = cluster.free_places()
         places = rng.sample(free, rng.randint(1, min(3, len(free))))
+        while len(places) > 1 and not cluster.can_place(places):
+            places.pop()                # joiners only where a spare is ready, but at least one
         log(f"join places {places}")
         _check_parity(cluster.reform("grow", joiners=len(places), places=places), cluster)
         return len(places)
@@ -118,11 +120,12 @@ def _round(cluster, rng, log):
 
 def _reform_after_loss(cluster, rng, lost, log, leave=False):
     size = len(cluster.members)
-    can_replace = not leave             # two warm spares per node: any two places can be refilled
+    # replace where spares are ready (importing torch on a busy machine takes seconds); else shrink
+    can_replace = not leave and cluster.can_place([v.place for v in lost])
     if not lost:
         how = "replace"                 # a stopped rank outlived the op timeout: same membership
-    elif can_replace and (size - len(lost) < SMALLEST or rng.random() < 0.5):
-        how = "replace"
+    elif (can_replace and rng.random() < 0.5) or (not leave and size - len(lost) < SMALLEST):
+        how = "replace"                 # (below SMALLEST it waits for a spare)
     else:
         how = "shrink"
     during, hit = None, []
