@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import os
 import random
+import re
 import signal
 import time
 
@@ -51,6 +52,7 @@ def _outcomes(cluster, waiting, deadline):
         if ev["ev"] == "failed":
             assert not ev.get("unclear"), f"place {m.place}: not an hpct error: {ev}"
             assert ev["message"].strip(), ev
+            MESSAGES[f"{ev['type']}: {re.sub(r'[0-9]+', 'N', ev['message'])[:110]}"] += 1
         got[m.place] = ev
     return got
 
@@ -68,6 +70,7 @@ def _check_parity(events, cluster):
 
 
 STATS = {"changes": 0, "rolled_back": 0}
+MESSAGES: collections.Counter = collections.Counter()   # the waiting members' errors, digits masked
 DURING_REFORM = float(os.environ.get("HPCT_CHURN_DURING", "0.15"))   # share of shrinks during which another rank is killed
 ACTIONS = ["kill", "stop_kill", "stop_cont", "leave"]
 
@@ -154,6 +157,7 @@ def test_churn_with_ops_in_flight_ends_in_clear_errors_and_bit_identical_reforme
     print(f"HPCT_CHURN_SEED={seed} HPCT_CHURN_EVENTS={target}", flush=True)
     rng = random.Random(seed)
     STATS.update(changes=0, rolled_back=0)
+    MESSAGES.clear()
     lines: list[str] = []
     t0 = time.monotonic()
 
@@ -179,5 +183,7 @@ def test_churn_with_ops_in_flight_ends_in_clear_errors_and_bit_identical_reforme
             log(f"{events} events in {rounds} rounds, {time.monotonic() - t0:.1f} s; "
                 f"world {len(cluster.members)} at generation {cluster.gen}; {STATS}; broken re-formations "
                 f"{collections.Counter(cluster.reform_errors)}; link {net.stats()}")
+            for text, n in MESSAGES.most_common(8):
+                log(f"  {n:4d} x {text}")
         finally:
             cluster.stop_all()
