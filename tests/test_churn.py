@@ -6,7 +6,8 @@ ranks training a tiny deterministic model (one all_reduce per step) and, while s
 flight, injects random events: SIGKILL a rank (then replace it at the next generation with
 hd.recover, or shrink), SIGSTOP a rank (then SIGKILL it, or SIGCONT it), a graceful leave
 (the others shrink), and at a step boundary a join (hd.grow back toward 8).  Up to two ranks
-are hit in one round.
+are hit in one round, each with its own action; during some shrinks one more rank is killed
+(the survivors' attempt fails on every member and the agent re-forms them again).
 
 Checked for every event: each member that was waiting ends with "done" or with a clear error
 (an HpctError subclass, with a message), within a deadline; the world re-forms; every member
