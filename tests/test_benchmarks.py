@@ -78,3 +78,9 @@ def test_groups_reports_live_groups_against_stock_gloo():
     text = _run("groups.py", "--sizes", "2", "--groups", "4")
     assert "4 live groups: new_group + first all_reduce each" in text, text
     assert re.search(r"^\s+2\s+[\d.]+\s+[\d.]+\s+[\d.]+x$", text, re.MULTILINE), text
+
+
+def test_shrink_reports_hpct_against_stocks_re_initialisation_and_the_nccl_reference():
+    text = _run("shrink.py", "--sizes", "3", timeout=240)
+    assert re.search(r"^\s+3\s+[\d.]+\s+[\d.]+\s+[\d.]+x$", text, re.MULTILINE), text
+    assert "stock destroy+TCPStore+init" in text and "1.4-2.0 s" in text, text
