@@ -14,10 +14,10 @@ Checked for every event: each member that was waiting ends with "done" or with a
 then holds bit-identical state (the digests agree, and hd.sync_state finds nothing to repair).
 No timing is asserted: the deadlines only turn a hang into a failure.
 
-    HPCT_CHURN_EVENTS   events to inject (default 200)
-    HPCT_CHURN_SEED     the RNG seed (default: random, printed; rerun with it to reproduce)
-    HPCT_CHURN_LOSS, HPCT_CHURN_DELAY_MS   the link's impairment (default 0.01 and 2 ms)
-    HPCT_CHURN_DURING   the share of shrinks during which one more rank is killed (default 0.15)
+    CHURN_EVENTS   events to inject (default 200)
+    CHURN_SEED     the RNG seed (default: random, printed; rerun with it to reproduce)
+    CHURN_LOSS, CHURN_DELAY_MS   the link's impairment (default 0.01 and 2 ms)
+    CHURN_DURING   the share of shrinks during which one more rank is killed (default 0.15)
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from netns import unavailable_reason
 pytestmark = [pytest.mark.multihost, pytest.mark.multiprocess, pytest.mark.slow]
 
 NODES, NPROC, FULL, SMALLEST = 4, 2, 8, 4
-LOSS = float(os.environ.get("HPCT_CHURN_LOSS", "0.01"))          # fraction of frames dropped
-DELAY_MS = float(os.environ.get("HPCT_CHURN_DELAY_MS", "2"))     # each way, every link
+LOSS = float(os.environ.get("CHURN_LOSS", "0.01"))          # fraction of frames dropped
+DELAY_MS = float(os.environ.get("CHURN_DELAY_MS", "2"))     # each way, every link
 STEPS = 6                  # steps per round: long enough that events land mid-step
 HARD_DEADLINE_S = 900.0    # the whole stress, however slow the machine: a hang fails, never waits
 
@@ -72,7 +72,7 @@ def _check_parity(events, cluster):
 
 STATS = {"changes": 0, "rolled_back": 0}
 MESSAGES: collections.Counter = collections.Counter()   # the waiting members' errors, digits masked
-DURING_REFORM = float(os.environ.get("HPCT_CHURN_DURING", "0.15"))   # share of shrinks during which another rank is killed
+DURING_REFORM = float(os.environ.get("CHURN_DURING", "0.15"))   # share of shrinks during which another rank is killed
 ACTIONS = ["kill", "stop_kill", "stop_cont", "leave"]
 
 
@@ -153,9 +153,9 @@ def test_churn_with_ops_in_flight_ends_in_clear_errors_and_bit_identical_reforme
     why = unavailable_reason()
     if why:
         pytest.skip(why)
-    target = int(os.environ.get("HPCT_CHURN_EVENTS", "200"))
-    seed = int(os.environ.get("HPCT_CHURN_SEED", str(random.SystemRandom().randrange(1 << 32))))
-    print(f"HPCT_CHURN_SEED={seed} HPCT_CHURN_EVENTS={target}", flush=True)
+    target = int(os.environ.get("CHURN_EVENTS", "200"))
+    seed = int(os.environ.get("CHURN_SEED", str(random.SystemRandom().randrange(1 << 32))))
+    print(f"CHURN_SEED={seed} CHURN_EVENTS={target}", flush=True)
     rng = random.Random(seed)
     STATS.update(changes=0, rolled_back=0)
     MESSAGES.clear()
