@@ -13,7 +13,8 @@ from util import REPO, run_cli
 def pytest_configure(config):
     import hpct
     here = Path(hpct.__file__).resolve()
-    if REPO in here.parents:
+    # A virtual environment inside the checkout (.venv/) holds an installed wheel: fine.
+    if REPO in here.parents and "site-packages" not in here.parts:
         raise pytest.UsageError(
             f"hpct is imported from the source tree ({here}); install the wheel "
             "(hpct-build wheel --install) and run pytest without PYTHONPATH pointing at the checkout")
