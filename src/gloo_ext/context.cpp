@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "small.h"
 #include "gloo/allgather.h"
 #include "gloo/allreduce.h"
 #include "gloo/barrier.h"
@@ -616,7 +617,14 @@ class StorelessContext {
     return dev->droppedConnections();
   }
 
-  void allreduce(py::buffer buf, const std::string& op, const py::object& dtype) {
+  // algorithm: "auto" (recursive doubling up to kSmallAllreduceBytes, else Gloo's
+  // ring), "doubling" or "ring" (tests and benchmarks compare them).
+  void allreduce(py::buffer buf, const std::string& op, const py::object& dtype,
+                 const std::string& algorithm) {
+    if (algorithm != "auto" && algorithm != "doubling" && algorithm != "ring") {
+      throw py::value_error("unknown allreduce algorithm '" + algorithm +
+                            "'; use auto, doubling or ring");
+    }
     View v = view_of(buf, true, dtype);
     gloo::AllreduceOptions::Func fn;
     switch (v.dtype) {
@@ -627,6 +635,11 @@ class StorelessContext {
     }
     run([&](const std::shared_ptr<gloo::Context>& ctx) {
       if (v.count == 0) return;
+      if (algorithm == "doubling" ||
+          (algorithm == "auto" && v.nbytes <= kSmallAllreduceBytes)) {
+        small_allreduce(ctx, v.ptr, v.count, dtype_size(v.dtype), fn, op_timeout());
+        return;
+      }
       gloo::AllreduceOptions opts(ctx);
       switch (v.dtype) {
         case DType::F32: opts.setOutput(static_cast<float*>(v.ptr), v.count); break;
@@ -902,6 +915,8 @@ void bind_context(py::module_& m) {
   py::register_exception_translator(&translate);
   // Group keys repeat modulo this (the group_key argument of Context).
   m.attr("GROUP_KEYS") = py::int_(gloo::transport::tcp::kGroupKeys);
+  // allreduce(algorithm="auto") takes recursive doubling up to this many bytes.
+  m.attr("SMALL_ALLREDUCE_BYTES") = py::int_(kSmallAllreduceBytes);
 
   py::class_<P2PRequest>(m, "Request", R"doc(
 A posted send or receive (Context.isend / Context.irecv).
@@ -974,9 +989,11 @@ Every blocking method releases the GIL; abort() may be called from any thread.
       .def("close", &StorelessContext::close,
            "Abort if needed, wait for a running op to return, release the device.")
       .def("allreduce", &StorelessContext::allreduce, py::arg("buffer"), py::arg("op") = "sum",
-           py::arg("dtype") = py::none(),
+           py::arg("dtype") = py::none(), py::arg("algorithm") = "auto",
            "In-place allreduce of a writable buffer (float32/float64/int32/int64, inferred from "
-           "the buffer format or given as dtype); op is sum, product, min or max.")
+           "the buffer format or given as dtype); op is sum, product, min or max.  algorithm "
+           "'auto' takes recursive doubling (log2 N hops, the same bits on every rank) up to "
+           "SMALL_ALLREDUCE_BYTES and Gloo's ring above; 'doubling' or 'ring' forces one.")
       .def("broadcast", &StorelessContext::broadcast_bytes, py::arg("buffer"), py::arg("root"),
            "In-place broadcast of a writable buffer from rank root.")
       .def("allgather", &StorelessContext::allgather, py::arg("input"), py::arg("output"),
