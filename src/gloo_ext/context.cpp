@@ -690,6 +690,33 @@ class StorelessContext {
     });
   }
 
+  // sends[j] / recvs[j]: a buffer for rank j or None; see small.h exchange.
+  std::vector<std::pair<int64_t, int64_t>> exchange_parts(const std::vector<py::object>& sends,
+                                                          const std::vector<py::object>& recvs) {
+    if (sends.size() != static_cast<size_t>(size_) || recvs.size() != static_cast<size_t>(size_)) {
+      throw py::value_error("exchange needs one entry per rank (None for none) in sends and recvs");
+    }
+    std::vector<py::buffer_info> held;       // keeps every buffer exported until the end
+    held.reserve(2 * size_);
+    auto parts = [&](const std::vector<py::object>& list, bool writable) {
+      std::vector<Part> out(size_);
+      for (int j = 0; j < size_; j++) {
+        if (list[j].is_none()) continue;
+        held.push_back(list[j].cast<py::buffer>().request(writable));
+        const auto& info = held.back();
+        out[j] = {info.ptr, static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize), true};
+      }
+      return out;
+    };
+    auto send_parts = parts(sends, false);
+    auto recv_parts = parts(recvs, true);
+    std::vector<std::pair<int64_t, int64_t>> result;
+    run([&](const std::shared_ptr<gloo::Context>& ctx) {
+      result = exchange(ctx, send_parts, recv_parts, op_timeout());
+    });
+    return result;
+  }
+
   void barrier() {
     run([&](const std::shared_ptr<gloo::Context>& ctx) {
       gloo::BarrierOptions opts(ctx);
@@ -999,6 +1026,12 @@ Every blocking method releases the GIL; abort() may be called from any thread.
       .def("allgather", &StorelessContext::allgather, py::arg("input"), py::arg("output"),
            "Gather every rank's input into output (size * len(input) bytes), in rank order.")
       .def("barrier", &StorelessContext::barrier)
+      .def("exchange", &StorelessContext::exchange_parts, py::arg("sends"), py::arg("recvs"),
+           "Send sends[j] to rank j and receive recvs[j] from rank j (buffers or None), every "
+           "pair at once, in one round: each pair swaps [bytes sent, bytes expected] right ahead "
+           "of its data; a receive whose size disagrees takes the data into scratch (the pair "
+           "stays usable).  Returns [(bytes rank j sent here, bytes it expected)] per rank, "
+           "(-1, -1) where nothing was exchanged.")
       .def("send", &StorelessContext::send, py::arg("buffer"), py::arg("dst"),
            py::arg("tag") = 0,
            "Send a buffer to rank dst; blocks until the peer received it (isend + wait).")

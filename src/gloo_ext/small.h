@@ -5,6 +5,9 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <utility>
+#include <vector>
+#include <cstdint>
 
 #include "gloo/context.h"
 
@@ -22,5 +25,28 @@ constexpr size_t kSmallAllreduceBytes = 64 * 1024;
 // with the same bits.  `timeout` bounds the whole op.
 void small_allreduce(const std::shared_ptr<gloo::Context>& ctx, void* data, size_t count,
                      size_t elsize, const ReduceFn& fn, std::chrono::milliseconds timeout);
+
+}  // namespace hpct
+
+namespace hpct {
+
+// One side of a pairwise exchange: a buffer for a peer, or absent (nothing either way).
+struct Part {
+  void* ptr = nullptr;
+  size_t nbytes = 0;
+  bool present = false;
+};
+
+// Send sends[j] to rank j and receive recvs[j] from rank j, every pair at once, in one
+// round: each involved pair (a part present either way) swaps a header [bytes sent,
+// bytes expected] and the sender's data goes right behind it; a receiver takes data of
+// the announced size into its buffer when the sizes agree and into scratch otherwise,
+// so a disagreement fails nothing at the transport.  Returns, per rank, the peer's
+// header {bytes it sent this rank, bytes it expected}, or {-1, -1} (not involved, or
+// this rank).  `timeout` bounds the whole exchange.
+std::vector<std::pair<int64_t, int64_t>> exchange(const std::shared_ptr<gloo::Context>& ctx,
+                                                  const std::vector<Part>& sends,
+                                                  const std::vector<Part>& recvs,
+                                                  std::chrono::milliseconds timeout);
 
 }  // namespace hpct
