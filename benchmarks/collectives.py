@@ -3,7 +3,9 @@
 Every rank holds both groups: hpct's world (rootless) and a ProcessGroupGloo made through
 a FileStore, and times the same op on the same float32 buffer on each, alternating.
 Latency is the median over iterations (after one warm-up); bandwidth is the algorithm
-bandwidth (message size / latency).  The size is each rank's input (all_reduce, all_gather,
+bandwidth (message size / latency).  CPU is the median process CPU time (every thread of the
+rank: caller, worker, Gloo's device loop) per op: where ranks share few CPUs, latency
+mostly measures the scheduler, and CPU shows the per-op overhead.  The size is each rank's input (all_reduce, all_gather,
 all_to_all_single, gather, reduce_scatter_tensor) or output (scatter); roots are rank 0.
 
     python benchmarks/collectives.py [--n 2,4] [--sizes 4,65536,1048576,16777216,67108864] [--ops ...]
@@ -28,7 +30,7 @@ import hpct.distributed as hd  # noqa: E402
 from hpct.demo import measure as _bench  # noqa: E402
 
 SIZES = [4, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
-OPS = ("all_reduce", "all_gather", "all_to_all_single", "gather", "scatter", "reduce_scatter")
+OPS = ("all_reduce", "all_gather", "all_to_all_single", "gather", "scatter", "reduce_scatter", "barrier")
 
 
 def op_call(op: str, pg, rank: int, n: int, numel: int):
@@ -51,6 +53,8 @@ def op_call(op: str, pg, rank: int, n: int, numel: int):
     if op == "reduce_scatter":
         out = torch.empty(numel // n)
         return lambda: pg._reduce_scatter_base(out, x, ReduceScatterOptions())
+    if op == "barrier":                                # no buffer: the size is ignored
+        return lambda: pg.barrier()
     raise SystemExit(f"collectives.py: unknown op {op!r}; choose from {', '.join(OPS)}")
 
 
@@ -78,14 +82,17 @@ def rank_fn(rank, n, base, store_path, sizes, budget, ops):
         for op in ops:
             calls = {"hpct": op_call(op, hp, rank, n, numel), "gloo": op_call(op, gl, rank, n, numel)}
             times = {"hpct": [], "gloo": []}
+            cpu = {"hpct": [], "gloo": []}
             for i in range(iters + 1):
                 for name, pg in (("hpct", hp), ("gloo", gl)):
                     pg.barrier().wait()
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     calls[name]().wait()
                     if i:
                         times[name].append(time.perf_counter() - t0)
-            out[f"{op}/{nbytes}"] = {k: _bench.median(v) for k, v in times.items()}
+                        cpu[name].append(time.process_time() - c0)
+            out[f"{op}/{nbytes}"] = {**{k: _bench.median(v) for k, v in times.items()},
+                                     **{f"{k}_cpu": _bench.median(v) for k, v in cpu.items()}}
     try:
         dist.barrier()
         gl.barrier().wait()
@@ -120,12 +127,17 @@ def main(argv=None) -> int:
                 key = f"{op}/{nbytes}"
                 h = max(res[r][key]["hpct"] for r in range(n))
                 g = max(res[r][key]["gloo"] for r in range(n))
-                rows.append([op, n, label(nbytes), f"{h * 1e6:.0f}", f"{g * 1e6:.0f}",
-                             f"{nbytes / h / 1e6:.1f}", f"{nbytes / g / 1e6:.1f}", f"{g / h:.2f}"])
+                hc = max(res[r][key]["hpct_cpu"] for r in range(n))
+                gc = max(res[r][key]["gloo_cpu"] for r in range(n))
+                rows.append([op, n, "-" if op == "barrier" else label(nbytes), f"{h * 1e6:.0f}", f"{g * 1e6:.0f}",
+                             f"{nbytes / h / 1e6:.1f}", f"{nbytes / g / 1e6:.1f}", f"{g / h:.2f}",
+                             f"{hc * 1e6:.0f}", f"{gc * 1e6:.0f}"])
+                if op == "barrier":
+                    break
         print(f"  N={n} done", file=sys.stderr, flush=True)
     print(_bench.table(["op", "N", "size", "hpct us", "gloo us", "hpct MB/s", "gloo MB/s",
-                        "hpct/gloo bw (= gloo/hpct latency)"], rows,
-                       f"Collectives: hpct vs ProcessGroupGloo, float32, median latency, max over ranks "
+                        "hpct/gloo bw (= gloo/hpct latency)", "hpct cpu us", "gloo cpu us"], rows,
+                       f"Collectives: hpct vs ProcessGroupGloo, float32, median latency and CPU per op, max over ranks "
                        f"({os.cpu_count()} CPUs, torch {torch.__version__})"))
     return 0
 
