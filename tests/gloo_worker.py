@@ -126,7 +126,7 @@ def main() -> int:
         # Liveness settings only where a test asks for them (the defaults otherwise).
         extra = {k: step.get(k, spec.get(k)) for k in
                  ("ack_timeout", "keepalive_idle", "keepalive_interval", "keepalive_count", "lazy",
-                  "retry_delay_initial", "retry_delay_max")
+                  "retry_delay_initial", "retry_delay_max", "float_doubling")
                  if step.get(k, spec.get(k)) is not None}
         # The suites that run in both connect modes set this (see the lazy_mode fixture).
         if os.environ.get("HPCT_TEST_LAZY") == "1":

@@ -1,7 +1,8 @@
 """Small allreduces in log depth (src/gloo_ext/small.cpp): exact, the same bits on every rank.
 
 Up to SMALL_ALLREDUCE_BYTES an allreduce takes recursive doubling (log2 N exchanges, two
-more when N is not a power of two) instead of Gloo's ring (2(N-1) hops).  Every rank
+more when N is not a power of two) instead of Gloo's ring (2(N-1) hops), where that gives the
+ring's bits (integers, min, max, N = 2; float sums too with float_doubling=True).  Every rank
 must end with the same bits, also for float sums whose value depends on the order of
 the additions, and a dead peer must fail it as it fails the ring.
 """
@@ -49,6 +50,24 @@ def test_small_allreduce_is_exact_and_bitwise_identical_on_every_rank(size):
             scale = max(abs(x) for r in range(size) for x in _inputs(r))
             for g, want in zip(got, exact):
                 assert abs(g - want) <= tol * scale * size, (algorithm, code, g, want)
+
+
+@pytest.mark.parametrize("float_doubling", [False, True])
+def test_auto_keeps_the_rings_bits_for_float_sums_unless_asked(float_doubling):
+    """algorithm='auto' takes recursive doubling only where it gives the ring's bits (so DDP
+    stays bit-identical to stock Gloo): a float sum of 3+ ranks associates differently, so
+    it keeps the ring, unless the context was made with float_doubling=True."""
+    size = 5
+    script = [{"op": "connect", "lazy": True, "float_doubling": float_doubling}]
+    script += [{"op": "small_allreduce", "algorithm": a} for a in ("doubling", "auto", "ring")]
+    script += [{"op": "close"}]
+    workers = run_group(size, script, timeout=90)
+    for w in workers:
+        assert w.proc.returncode == 0, w.describe()
+    doubling, auto, ring = [e for e in workers[0].events if e["event"] == "small_allreduce"]
+    assert doubling["f"] != ring["f"], "inputs chosen so that the association order shows"
+    want = doubling if float_doubling else ring
+    assert (auto["f"], auto["d"]) == (want["f"], want["d"])
 
 
 def test_lazy_group_connects_only_the_doubling_partners():

@@ -393,9 +393,9 @@ class StorelessContext {
                    double connect_timeout, bool connect, double retry_delay_initial,
                    double retry_delay_max, double bind_retry_timeout, double ack_timeout,
                    double keepalive_idle, double keepalive_interval, int keepalive_count,
-                   bool lazy, uint32_t group_key)
+                   bool lazy, uint32_t group_key, bool float_doubling)
       : rank_(rank), size_(size), generation_(generation), peers_(std::move(peers)),
-        group_key_(group_key % gloo::transport::tcp::kGroupKeys) {
+        group_key_(group_key % gloo::transport::tcp::kGroupKeys), float_doubling_(float_doubling) {
     if (size > static_cast<int>(gloo::transport::tcp::kMaxStorelessRanks)) {
       throw py::value_error("size " + std::to_string(size) + " is above the most ranks a "
                             "storeless group supports (2**20)");
@@ -617,8 +617,12 @@ class StorelessContext {
     return dev->droppedConnections();
   }
 
-  // algorithm: "auto" (recursive doubling up to kSmallAllreduceBytes, else Gloo's
-  // ring), "doubling" or "ring" (tests and benchmarks compare them).
+  // algorithm: "auto", "doubling" or "ring" (tests and benchmarks compare them).
+  // "auto" takes recursive doubling up to kSmallAllreduceBytes where its result is the
+  // ring's, bit for bit: integers (exact in any order), min and max, and any type at
+  // N = 2 (one commutative combine).  A float sum or product of 3+ ranks associates
+  // differently ((a+b)+(c+d) against the ring's running sum), so it keeps the ring, as
+  // stock Gloo (DDP stays bit-identical to stock), unless float_doubling was asked for.
   void allreduce(py::buffer buf, const std::string& op, const py::object& dtype,
                  const std::string& algorithm) {
     if (algorithm != "auto" && algorithm != "doubling" && algorithm != "ring") {
@@ -635,8 +639,10 @@ class StorelessContext {
     }
     run([&](const std::shared_ptr<gloo::Context>& ctx) {
       if (v.count == 0) return;
+      const bool exact = v.dtype == DType::I32 || v.dtype == DType::I64 || op == "min" ||
+                         op == "max" || size_ == 2 || float_doubling_;
       if (algorithm == "doubling" ||
-          (algorithm == "auto" && v.nbytes <= kSmallAllreduceBytes)) {
+          (algorithm == "auto" && exact && v.nbytes <= kSmallAllreduceBytes)) {
         small_allreduce(ctx, v.ptr, v.count, dtype_size(v.dtype), fn, op_timeout());
         return;
       }
@@ -873,6 +879,7 @@ class StorelessContext {
   const uint32_t generation_;
   const std::vector<std::pair<std::string, int>> peers_;
   const uint32_t group_key_;
+  const bool float_doubling_;          // "auto" allreduce: small float sums in log depth too
   gloo::transport::tcp::attr attr_;
   std::atomic<bool> released_{false};
   std::atomic<int64_t> timeout_ms_{0};   // read by ops on other threads; set_timeout may change it
@@ -995,14 +1002,15 @@ With connect=False call connect() later (e.g. in a thread, to abort it).
 Every blocking method releases the GIL; abort() may be called from any thread.
 )doc")
       .def(py::init<int, int, uint32_t, std::vector<std::pair<std::string, int>>, double, double,
-                    bool, double, double, double, double, double, double, int, bool, uint32_t>(),
+                    bool, double, double, double, double, double, double, int, bool, uint32_t,
+                    bool>(),
            py::arg("rank"), py::arg("size"), py::arg("generation"), py::arg("peers"),
            py::arg("timeout") = 30.0, py::arg("connect_timeout") = 60.0,
            py::arg("connect") = true, py::arg("retry_delay_initial") = 0.01,
            py::arg("retry_delay_max") = 0.5, py::arg("bind_retry_timeout") = 2.0,
            py::arg("ack_timeout") = 1.0, py::arg("keepalive_idle") = 5.0,
            py::arg("keepalive_interval") = 1.0, py::arg("keepalive_count") = 5,
-           py::arg("lazy") = false, py::arg("group_key") = 0)
+           py::arg("lazy") = false, py::arg("group_key") = 0, py::arg("float_doubling") = false)
       .def("connect", &StorelessContext::connect,
            "Connect the full mesh, or with lazy=True a binomial tree of pairs (blocks "
            "until connected or the connect deadline passes: ConnectTimeoutError naming "
@@ -1020,7 +1028,9 @@ Every blocking method releases the GIL; abort() may be called from any thread.
            "In-place allreduce of a writable buffer (float32/float64/int32/int64, inferred from "
            "the buffer format or given as dtype); op is sum, product, min or max.  algorithm "
            "'auto' takes recursive doubling (log2 N hops, the same bits on every rank) up to "
-           "SMALL_ALLREDUCE_BYTES and Gloo's ring above; 'doubling' or 'ring' forces one.")
+           "SMALL_ALLREDUCE_BYTES where it gives the ring's bits (integers, min, max, N = 2; "
+           "float sums and products too with float_doubling=True) and Gloo's ring otherwise; "
+           "'doubling' or 'ring' forces one.")
       .def("broadcast", &StorelessContext::broadcast_bytes, py::arg("buffer"), py::arg("root"),
            "In-place broadcast of a writable buffer from rank root.")
       .def("allgather", &StorelessContext::allgather, py::arg("input"), py::arg("output"),
