@@ -9,6 +9,7 @@ mostly measures the scheduler, and CPU shows the per-op overhead.  The size is e
 all_to_all_single, gather, reduce_scatter_tensor) or output (scatter); roots are rank 0.
 
     python benchmarks/collectives.py [--n 2,4] [--sizes 4,65536,1048576,16777216,67108864] [--ops ...]
+                                     [--log-allreduce]
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ def iterations(nbytes: int, budget: float) -> int:
     return max(3, min(200, int(budget / (1e-4 + nbytes / 2e8))))
 
 
-def rank_fn(rank, n, base, store_path, sizes, budget, ops):
+def rank_fn(rank, n, base, store_path, sizes, budget, ops, log_allreduce=False):
     _bench.hpct_env(rank, n, base)
+    if log_allreduce:          # small float sums of 3+ ranks in log depth too (not stock's bits)
+        os.environ["HPCT_LOG_ALLREDUCE"] = "1"
     hd.init_process_group(timeout=300)
     hp = dist.group.WORLD
     store = dist.FileStore(store_path, n)
@@ -107,6 +110,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="message sizes in bytes")
     ap.add_argument("--budget", type=float, default=1.0, help="target seconds per (op, size, backend)")
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma list of: {', '.join(OPS)}")
+    ap.add_argument("--log-allreduce", action="store_true",
+                    help="hpct ranks run with HPCT_LOG_ALLREDUCE=1 (log-depth small float sums)")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     ops = args.ops.split(",")
@@ -119,7 +124,8 @@ def main(argv=None) -> int:
             ranks = _bench.Ranks(deadline_s=600)
             base = _bench.free_port_block(8 * n)
             for r in range(n):
-                ranks.fork(r, rank_fn, r, n, base, os.path.join(tmp, "store"), sizes, args.budget, ops)
+                ranks.fork(r, rank_fn, r, n, base, os.path.join(tmp, "store"), sizes, args.budget, ops,
+                           args.log_allreduce)
             res = ranks.collect()
         _bench.check(res, f"N={n}")
         for op in ops:
