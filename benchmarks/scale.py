@@ -57,7 +57,8 @@ def counts(ctx):
     return {"conn": ctx.connections(), "fds": len(fds), "sockets": socks}
 def form(gen):
     ctx = g.Context(rank, n, gen, peers, timeout=cfg["timeout"], connect_timeout=cfg["timeout"],
-                    lazy=cfg["lazy"], bind_retry_timeout=10.0)
+                    lazy=cfg["lazy"], bind_retry_timeout=10.0,
+                    float_doubling=True)    # the log-depth first all_reduce (HPCT_LOG_ALLREDUCE=1)
     buf = array.array("f", [1.0])
     ctx.allreduce(buf)
     assert buf[0] == n, buf

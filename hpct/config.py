@@ -68,6 +68,9 @@ VARIABLES: tuple[Var, ...] = (
         help="seconds to keep connecting to peers before start-up fails"),
     Var("HPCT_LAZY_CONNECT", "lazy_connect", "bool", True,
         help="1 (default): a Gloo group connects each pair on first use; 0: the full mesh at start"),
+    Var("HPCT_LOG_ALLREDUCE", "log_allreduce", "bool", False,
+        help="1: small float sums and products (up to 64 KiB, 3+ ranks) also take the log-depth "
+             "all_reduce: the same bits on every rank, not bit-equal to stock Gloo's ring (0, the default)"),
     Var(NCCL_LIBRARY_VAR, "nccl_library", "file", None,
         help="libnccl.so.2 with ncclCommInitRankRootless for CUDA tensors; default: the one torch loaded, "
              "when it is hpct's"),
@@ -208,6 +211,7 @@ class Config:
     hosts: tuple[str, ...] = DEFAULT_HOSTS
     connect_timeout: float = 300.0         # seconds
     lazy_connect: bool = True              # Gloo pairs on first use, not the full mesh
+    log_allreduce: bool = False            # small float sums in log depth (not stock's bits)
     generation: int = 0                    # bumped by each in-process recovery
     nccl_library: str | None = None        # the rootless libnccl for the CUDA half
     rank: int | None = None

@@ -84,6 +84,31 @@ def collectives(ctx: "gloo.Context", elements: int = 1000) -> None:
     ctx.barrier()
 
 
+def small_allreduce(ctx: "gloo.Context", algorithm: str) -> dict:
+    """Every reduce op on every dtype with exact expected values, then float sums whose
+    bits depend on the reduction order: returned as hex, for the test to compare across
+    ranks (every rank must hold the same bits)."""
+    import random
+    r, n = ctx.rank, ctx.size
+    total = n * (n + 1) // 2
+    for code in ("f", "d", "i", "q"):
+        for op, mine, expect in (("sum", r + 1, total), ("max", r + 1, n), ("min", r + 1, 1),
+                                 ("product", 2 if r < 3 else 1, 2 ** min(n, 3))):
+            for elements in (1, 5):
+                buf = array.array(code, [mine] * elements)
+                ctx.allreduce(buf, op=op, algorithm=algorithm)
+                check(list(buf) == [expect] * elements,
+                      f"{algorithm} allreduce {op} {code} x{elements}: {list(buf)} != {expect}")
+    rnd = random.Random(1000 + r)
+    values = [rnd.uniform(-1, 1) * 10 ** rnd.randint(-6, 6) for _ in range(64)]
+    out = {}
+    for code in ("f", "d"):
+        buf = array.array(code, values)
+        ctx.allreduce(buf, algorithm=algorithm)
+        out[code] = buf.tobytes().hex()
+    return out
+
+
 def error_fields(err: BaseException) -> dict:
     fields = {"type": type(err).__name__, "message": str(err),
               "classes": [c.__name__ for c in type(err).__mro__]}
@@ -101,7 +126,7 @@ def main() -> int:
         # Liveness settings only where a test asks for them (the defaults otherwise).
         extra = {k: step.get(k, spec.get(k)) for k in
                  ("ack_timeout", "keepalive_idle", "keepalive_interval", "keepalive_count", "lazy",
-                  "retry_delay_initial", "retry_delay_max")
+                  "retry_delay_initial", "retry_delay_max", "float_doubling")
                  if step.get(k, spec.get(k)) is not None}
         # The suites that run in both connect modes set this (see the lazy_mode fixture).
         if os.environ.get("HPCT_TEST_LAZY") == "1":
@@ -151,6 +176,8 @@ def main() -> int:
                 ctx.allreduce(buf)
                 check(all(x == n * (n + 1) // 2 for x in buf), f"allreduce result {buf[:4]}")
                 emit("allreduce_ok", generation=ctx.generation)
+            elif op == "small_allreduce":
+                emit("small_allreduce", **small_allreduce(ctx, step.get("algorithm", "auto")))
             elif op == "connections":
                 emit("connections", count=ctx.connections(), rank=ctx.rank)
             elif op == "ready":

@@ -31,7 +31,8 @@ def _ok(workers, event):
 @pytest.mark.parametrize("size", [3, 8, 13, 16])
 def test_a_group_forms_on_a_tree_and_the_rest_connects_on_use(size):
     """After connect (a count up and down a binomial tree) no rank holds more than
-    log2(N)+1 peers, and after a ring allreduce no more than log2(N)+2; every
+    log2(N)+1 peers, and after the first allreduce (recursive doubling: the
+    partners rank ^ 2^k, which include the tree's) no more than log2(N)+2; every
     collective and point-to-point still gives exact results on pairs opened on use."""
     # Each count is followed by an allreduce: no rank gets past it (to operations that
     # open more pairs) before every rank has counted.

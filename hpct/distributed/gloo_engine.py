@@ -1,31 +1,23 @@
 """The Gloo engine: CPU tensors on one storeless, abortable Gloo context.
 
 The group facade (group.py) checks each call's arguments and hands it here with plain
-arguments.  Every collective is queued, in issue order, to this engine's worker thread (the
-context runs one at a time) and returns a Work wrapping a torch Future.  A send or recv is
-posted at once on the caller's thread and completed by its Work's wait() (HpctP2PWork), so
-any order of sends and receives completes.  A transport error (peer lost, abort, timeout)
-fails the engine: every op queued after it fails at once with the same cause, so nothing
-waits for a dead group; a local error (bad argument, unsupported dtype) fails only its op.
+arguments.  Every collective goes to the engine's Runner (runner.py): one at a time, in
+issue order, on the worker thread or, when the caller blocks on it anyway, on the caller's
+thread; it returns a Work.  A send or recv is posted at once on the caller's thread and
+completed by its Work's wait() (HpctP2PWork), so any order of sends and receives
+completes.  A transport error (peer lost, abort, timeout) fails the engine: every op
+queued after it fails at once with the same cause, so nothing waits for a dead group; a
+local error (bad argument, unsupported dtype) fails only its op.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-
 import torch
-from torch.futures import Future
 
 from .. import _gloo
 from . import ops
-from .work import HpctP2PWork, HpctWork, _unpack
-
-
-def _failed_work(message: str) -> HpctWork:
-    raw = Future()
-    raw.set_result((False, message))
-    return HpctWork(raw, raw.then(_unpack))
+from .runner import Runner, failed_work
+from .work import HpctP2PWork
 
 
 class GlooEngine:
@@ -37,17 +29,14 @@ class GlooEngine:
         self.ctx = ctx
         self._rank = rank
         self._describe = describe
-        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._failure: BaseException | None = None
-        self._lock = threading.Lock()
-        self._closed = False
-        self._busy = False               # the worker is inside an op
-        self._thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
-        self._thread.start()
+        self._runner = Runner(describe, thread_name)
+        self.submit = self._runner.submit
+        self.blocking = self._runner.blocking
+        self._note_failure = self._runner.note_failure
 
     @property
     def failure(self) -> BaseException | None:
-        return self._failure
+        return self._runner.failure
 
     @property
     def timeout(self) -> float:
@@ -56,57 +45,9 @@ class GlooEngine:
     def set_timeout(self, seconds: float) -> None:
         self.ctx.set_timeout(seconds)     # ops queued before keep theirs only if already running
 
-    # ---- the worker -----------------------------------------------------------------------
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            what, fn, raw, result, inference = item
-            if self._failure is not None:
-                raw.set_result((False, f"{self._describe(what)}: the group already failed: {self._failure}"))
-                continue
-            try:
-                with self._lock:
-                    self._busy = True
-                # The caller's inference mode travels with the op: outputs made under
-                # torch.inference_mode() may only be written in that mode.
-                with torch.inference_mode(inference):
-                    fn()
-            except BaseException as err:   # noqa: BLE001 -- every error goes to the future
-                self._note_failure(err)
-                raw.set_result((False, f"{self._describe(what)}: {type(err).__name__}: {err}"))
-                continue
-            finally:
-                with self._lock:
-                    self._busy = False
-            raw.set_result((True, result))
-
-    def submit(self, what: str, fn, result):
-        # The worker completes ``raw`` with (ok, value); the Work's future is raw.then(_unpack),
-        # so a failure becomes a real C++ error of the future (an exception raised in a
-        # then-callback is stored as such) that C++ consumers such as DDP's reducer see.
-        # Future.set_exception would store the exception object as a *value*.
-        with self._lock:
-            closed = self._closed
-        if closed:
-            return _failed_work(f"{self._describe(what)}: the group is shut down")
-        raw = Future()
-        self._queue.put((what, fn, raw, result, torch.is_inference_mode_enabled()))
-        return HpctWork(raw, raw.then(_unpack))
-
-    def _note_failure(self, err) -> None:
-        # Only a transport error ends the group.
-        if isinstance(err, _gloo.GlooError):
-            with self._lock:
-                if self._failure is None:
-                    self._failure = err
-
     def abort(self, reason: str) -> None:
         """Wake the op in flight and fail every queued op; bounded; any thread."""
-        with self._lock:
-            if self._failure is None:
-                self._failure = RuntimeError(f"aborted: {reason}")
+        self._runner.fail(RuntimeError(f"aborted: {reason}"))
         self.ctx.abort(reason)
 
     def shutdown(self, timeout: float) -> bool:
@@ -116,16 +57,12 @@ class GlooEngine:
         end of a barrier they are still finishing), then its goodbye, and fail nothing.
         With an op running or queued the context is aborted instead.
         """
-        with self._lock:
-            if self._closed:
-                return False
-            self._closed = True
-            busy = self._busy or not self._queue.empty()
+        first, busy = self._runner.start_close()
+        if not first:
+            return False
         if busy:
             self.abort("process group shut down")
-        self._queue.put(None)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        self._runner.finish_close(timeout)
         self.ctx.close()
         return True
 
@@ -258,16 +195,15 @@ class GlooEngine:
         return self._p2p("recv from any source", tensors, -1, tag, ops.irecv_any_)
 
     def _p2p(self, what, tensors, peer, tag, post):
-        with self._lock:
-            closed, failure = self._closed, self._failure
+        closed, failure = self._runner.closed, self._runner.failure
         if closed or failure is not None:
             cause = "the group is shut down" if closed else f"the group already failed: {failure}"
-            return _failed_work(f"{self._describe(what)}: {cause}")
+            return failed_work(f"{self._describe(what)}: {cause}")
         requests = []
         try:
             for t in tensors:
                 requests.append(post(self.ctx, t, peer, tag))
         except _gloo.GlooError as err:      # the group failed meanwhile (peer lost, aborted)
             self._note_failure(err)
-            return _failed_work(f"{self._describe(what)}: {type(err).__name__}: {err}")
+            return failed_work(f"{self._describe(what)}: {type(err).__name__}: {err}")
         return HpctP2PWork(requests, self._describe(what), self._note_failure, tensors)

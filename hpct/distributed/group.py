@@ -144,6 +144,14 @@ class HpctProcessGroup(dist.ProcessGroup):
             checks.single(op, tensors, f"tensor list on {engine.device_type}")
         return engine
 
+    @staticmethod
+    def _go(engine, opts, method: str, *args):
+        """``engine.method(*args)``.  A blocking call (torch sets ``asyncOp=False`` when the caller
+        waits at once) may run on this thread: no handoff to the worker (runner.py)."""
+        if getattr(opts, "asyncOp", True) is False and hasattr(engine, "blocking"):
+            return engine.blocking(getattr(engine, method), *args)
+        return getattr(engine, method)(*args)
+
     # torch's shrink_group asks the group's backend for the device (this object: the group is
     # its own backend) whether it can shrink, then calls its shrink(); elastic.py sets `shrinker`.
     supports_shrinking = True
@@ -208,7 +216,7 @@ class HpctProcessGroup(dist.ProcessGroup):
         checks.dense("allreduce", tensors)
         checks.like("allreduce", tensors[1:], tensors[0], start=1)
         ops.op_name(op)   # reject PREMUL_SUM & co. at the call, as ProcessGroupGloo does
-        return engine.allreduce(tensors, op)
+        return self._go(engine, opts, "allreduce", tensors, op)
 
     def allreduce_coalesced(self, tensors, opts=None):
         tensors = _as_list(tensors)
@@ -217,7 +225,7 @@ class HpctProcessGroup(dist.ProcessGroup):
         engine = self._engine("allreduce_coalesced", tensors)
         checks.coalesced("allreduce_coalesced", tensors)
         ops.op_name(op)
-        return engine.allreduce_coalesced(tensors, op)
+        return self._go(engine, opts, "allreduce_coalesced", tensors, op)
 
     def broadcast(self, tensors, opts=None, root=None):
         tensors = _as_list(tensors)
@@ -229,7 +237,7 @@ class HpctProcessGroup(dist.ProcessGroup):
         engine = self._engine("broadcast", tensors, one_tensor=True)
         checks.dense("broadcast", tensors)
         checks.like("broadcast", tensors, tensors[0])
-        return engine.broadcast(tensors, opts.rootRank, opts.rootTensor)
+        return self._go(engine, opts, "broadcast", tensors, opts.rootRank, opts.rootTensor)
 
     def reduce(self, tensors, opts=None, op=None, root=None):
         tensors = _as_list(tensors)
@@ -247,7 +255,7 @@ class HpctProcessGroup(dist.ProcessGroup):
         engine = self._engine("reduce", tensors)
         checks.dense("reduce", tensors)
         ops.op_name(op)
-        return engine.reduce(tensors[0], root, op)
+        return self._go(engine, opts, "reduce", tensors[0], root, op)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         if isinstance(input_tensors, torch.Tensor):        # allgather([outputs], tensor)
@@ -259,7 +267,7 @@ class HpctProcessGroup(dist.ProcessGroup):
         checks.like("allgather", input_tensors[1:], input_tensors[0], start=1)
         for outs in output_tensors:
             checks.like("allgather", outs, input_tensors[0])
-        return engine.allgather(output_tensors, input_tensors)
+        return self._go(engine, opts, "allgather", output_tensors, input_tensors)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         checks.nonempty("allgather_coalesced", input_list, "input tensor list")
@@ -281,7 +289,7 @@ class HpctProcessGroup(dist.ProcessGroup):
             checks.fail("all_gather_into_tensor", f"invalid tensor size: output has {output.numel()} "
                         f"elements, expected {self._size} x {input.numel()}",
                         "size the output as group size x input")
-        return engine.all_gather_single(output, input)
+        return self._go(engine, opts, "all_gather_single", output, input)
 
     _allgather_base = all_gather_single
 
@@ -306,7 +314,7 @@ class HpctProcessGroup(dist.ProcessGroup):
         out, ins = output_tensors[0], input_lists[0]
         checks.list_size("reduce_scatter", len(ins), self._size, "input")
         checks.like("reduce_scatter", ins, out)
-        return self._engine("reduce_scatter", [out, *ins]).reduce_scatter(out, ins, op)
+        return self._go(self._engine("reduce_scatter", [out, *ins]), opts, "reduce_scatter", out, ins, op)
 
     def reduce_scatter_single(self, output, input, opts=None):
         op = _reduce_op(opts)
@@ -315,7 +323,8 @@ class HpctProcessGroup(dist.ProcessGroup):
             checks.fail("reduce_scatter_tensor", f"invalid tensor size: input has {input.numel()} "
                         f"elements, expected {self._size} x {output.numel()}",
                         "size the input as group size x output")
-        return self._engine("reduce_scatter_tensor", [output, input]).reduce_scatter_single(output, input, op)
+        return self._go(self._engine("reduce_scatter_tensor", [output, input]), opts, "reduce_scatter_single",
+                        output, input, op)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -331,7 +340,7 @@ class HpctProcessGroup(dist.ProcessGroup):
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         engine = self._engine("all_to_all_single", [output, input])
-        return engine.all_to_all_single(output, input, output_split_sizes, input_split_sizes)
+        return self._go(engine, opts, "all_to_all_single", output, input, output_split_sizes, input_split_sizes)
 
     alltoall_base = all_to_all_single
 
@@ -339,7 +348,7 @@ class HpctProcessGroup(dist.ProcessGroup):
         checks.list_size("all_to_all", len(input_tensors), self._size, "input")
         checks.list_size("all_to_all", len(output_tensors), self._size, "output")
         engine = self._engine("all_to_all", [*output_tensors, *input_tensors])
-        return engine.alltoall(output_tensors, input_tensors)
+        return self._go(engine, opts, "alltoall", output_tensors, input_tensors)
 
     def gather(self, output_tensors, input_tensors, opts=None, root=None):
         if isinstance(input_tensors, torch.Tensor):        # gather([outputs], tensor, root)
@@ -372,7 +381,7 @@ class HpctProcessGroup(dist.ProcessGroup):
         return engine, root, mine[0], checks.root_list(op, lists, self._rank, root, self._size, mine[0], rooted)
 
     def barrier(self, opts=None):
-        return self._engines["cpu"].barrier()
+        return self._go(self._engines["cpu"], opts, "barrier")
 
     def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False):
         """Gloo's monitored barrier on this group (``hpct.distributed.monitored_barrier``)."""

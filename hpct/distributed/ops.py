@@ -186,52 +186,39 @@ def reduce_scatter_(ctx, out: torch.Tensor, inputs: list[torch.Tensor], op) -> N
     out.copy_(flat[ctx.rank * n:(ctx.rank + 1) * n].reshape(out.shape))
 
 
-# Point-to-point collectives (all_to_all, gather, scatter) use one tag above every
-# application tag and apart from monitor.py's and slots.py's.  One tag is enough: the
-# group's collectives run one at a time, in the same order on every rank, and the context
-# delivers the messages of one (peer, tag) in the order they were posted.
-EXCHANGE_TAG = (1 << 30) + 64
-NONE = -1     # "no tensor for that peer" in the size table
+NONE = -1     # "no tensor for that peer" in a size header
 
 
 def exchange(ctx, sends: list, recvs: list) -> tuple[dict[int, int], set[int]]:
     """Send ``sends[j]`` to rank j and receive ``recvs[j]`` from rank j (contiguous tensors or
-    None), every message posted at once; this rank's own pair is a local copy.
+    None), every pair at once; this rank's own pair is a local copy.
 
-    A small size table goes first (one allgather of 2 x N integers per rank), so each pair
-    moves only its own bytes and only where both sides agree on the size.  Returns the pairs
-    that disagree, for the caller to report: {source rank: bytes it sent} for this rank's
-    receives, and the ranks that expected another size than this rank sends.  Nothing moves
-    for those pairs, and every other pair completes.
+    One round in the extension (``Context.exchange``): each pair with anything to move (a
+    tensor either way: the same pairs on both sides, since every rank makes the same call)
+    sends [bytes sent, bytes expected] right ahead of its data, and a receiver takes
+    announced bytes it did not expect into scratch, so a size two ranks disagree on fails
+    this op alone, never the group.  (An allgather of a size table first took N-1 hops
+    and a second round.)  Returns the pairs that disagree, for the caller to report:
+    {source rank: bytes it sent} for this rank's receives, and the ranks that expected
+    another size than this rank sends.
     """
-    n, me = ctx.size, ctx.rank
-    nbytes = [[NONE if t is None else t.numel() * t.element_size() for t in row] for row in (sends, recvs)]
-    table = allgather_tensor(ctx, torch.tensor(nbytes, dtype=torch.int64))   # [rank][send/recv][peer]
+    me = ctx.rank
+    headers = ctx.exchange([None if t is None or j == me else as_bytes(t) for j, t in enumerate(sends)],
+                           [None if t is None or j == me else as_bytes(t) for j, t in enumerate(recvs)])
     wrong: dict[int, int] = {}
-    requests = []
-    for j in range(n):
-        sent_to_me, expected = int(table[j][0][me]), nbytes[1][j]
-        if j == me or expected == NONE:
-            continue
-        if sent_to_me != expected:
-            wrong[j] = max(sent_to_me, 0)
-        elif expected:
-            requests.append(ctx.irecv(as_bytes(recvs[j]), j, EXCHANGE_TAG))
     refused = set()
-    for j in range(n):
-        if j == me or nbytes[0][j] == NONE:
+    for j, (sent_to_me, expects) in enumerate(headers):
+        if j == me:
             continue
-        if int(table[j][1][me]) != nbytes[0][j]:
+        if recvs[j] is not None and sent_to_me != recvs[j].numel():
+            wrong[j] = max(sent_to_me, 0)
+        if sends[j] is not None and expects != sends[j].numel():
             refused.add(j)
-        elif nbytes[0][j]:
-            requests.append(ctx.isend(as_bytes(sends[j]), j, EXCHANGE_TAG))
     if recvs[me] is not None and sends[me] is not None:
-        if nbytes[0][me] != nbytes[1][me]:
-            wrong[me] = nbytes[0][me]
-        elif nbytes[1][me]:
+        if sends[me].numel() != recvs[me].numel():
+            wrong[me] = sends[me].numel()
+        elif recvs[me].numel():
             recvs[me].copy_(sends[me])
-    for request in requests:
-        request.wait(ctx.timeout)
     return wrong, refused
 
 

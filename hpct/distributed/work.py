@@ -18,13 +18,19 @@ class HpctWork(dist.Work):
     its future holds an error, so the group keeps its own Work type.
     """
 
-    def __init__(self, raw: Future, fut: Future):
+    def __init__(self, raw: Future):
         super().__init__()
-        self._raw = raw
-        self._fut = fut
+        self._raw = raw              # completed with (ok, value) when the op ends
+        self._fut = None             # get_future()'s, made on first use: most ops never need it
+        self._claim = None           # runs the op on the waiting thread if nobody started it
 
     def wait(self, timeout=None):
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        claim = self._claim
+        if claim is not None:
+            self._claim = None
+            if not seconds and not self._raw.done():
+                claim()
         if seconds and not self._raw.done():
             done = threading.Event()
             self._raw.add_done_callback(lambda _: done.set())
@@ -36,6 +42,11 @@ class HpctWork(dist.Work):
         return True
 
     def get_future(self):
+        # The future holds the value or a real C++ error (an exception raised in a
+        # then-callback is stored as such) that C++ consumers such as DDP's reducer see;
+        # Future.set_exception would store the exception object as a *value*.
+        if self._fut is None:
+            self._fut = self._raw.then(_unpack)
         return self._fut
 
     def is_completed(self):
@@ -75,8 +86,7 @@ class HpctP2PWork(HpctWork):
     """
 
     def __init__(self, requests, describe, on_error, result):
-        raw = Future()
-        super().__init__(raw, raw.then(_unpack))
+        super().__init__(Future())
         self._requests = requests          # [(request, finish or None)]
         self._describe = describe
         self._on_error = on_error
@@ -126,4 +136,4 @@ class HpctP2PWork(HpctWork):
 
     def get_future(self):
         self._start_waiter()
-        return self._fut
+        return super().get_future()

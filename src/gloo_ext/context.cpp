@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "small.h"
 #include "gloo/allgather.h"
 #include "gloo/allreduce.h"
 #include "gloo/barrier.h"
@@ -392,9 +393,9 @@ class StorelessContext {
                    double connect_timeout, bool connect, double retry_delay_initial,
                    double retry_delay_max, double bind_retry_timeout, double ack_timeout,
                    double keepalive_idle, double keepalive_interval, int keepalive_count,
-                   bool lazy, uint32_t group_key)
+                   bool lazy, uint32_t group_key, bool float_doubling)
       : rank_(rank), size_(size), generation_(generation), peers_(std::move(peers)),
-        group_key_(group_key % gloo::transport::tcp::kGroupKeys) {
+        group_key_(group_key % gloo::transport::tcp::kGroupKeys), float_doubling_(float_doubling) {
     if (size > static_cast<int>(gloo::transport::tcp::kMaxStorelessRanks)) {
       throw py::value_error("size " + std::to_string(size) + " is above the most ranks a "
                             "storeless group supports (2**20)");
@@ -616,7 +617,18 @@ class StorelessContext {
     return dev->droppedConnections();
   }
 
-  void allreduce(py::buffer buf, const std::string& op, const py::object& dtype) {
+  // algorithm: "auto", "doubling" or "ring" (tests and benchmarks compare them).
+  // "auto" takes recursive doubling up to kSmallAllreduceBytes where its result is the
+  // ring's, bit for bit: integers (exact in any order), min and max, and any type at
+  // N = 2 (one commutative combine).  A float sum or product of 3+ ranks associates
+  // differently ((a+b)+(c+d) against the ring's running sum), so it keeps the ring, as
+  // stock Gloo (DDP stays bit-identical to stock), unless float_doubling was asked for.
+  void allreduce(py::buffer buf, const std::string& op, const py::object& dtype,
+                 const std::string& algorithm) {
+    if (algorithm != "auto" && algorithm != "doubling" && algorithm != "ring") {
+      throw py::value_error("unknown allreduce algorithm '" + algorithm +
+                            "'; use auto, doubling or ring");
+    }
     View v = view_of(buf, true, dtype);
     gloo::AllreduceOptions::Func fn;
     switch (v.dtype) {
@@ -627,6 +639,13 @@ class StorelessContext {
     }
     run([&](const std::shared_ptr<gloo::Context>& ctx) {
       if (v.count == 0) return;
+      const bool exact = v.dtype == DType::I32 || v.dtype == DType::I64 || op == "min" ||
+                         op == "max" || size_ == 2 || float_doubling_;
+      if (algorithm == "doubling" ||
+          (algorithm == "auto" && exact && v.nbytes <= kSmallAllreduceBytes)) {
+        small_allreduce(ctx, v.ptr, v.count, dtype_size(v.dtype), fn, op_timeout());
+        return;
+      }
       gloo::AllreduceOptions opts(ctx);
       switch (v.dtype) {
         case DType::F32: opts.setOutput(static_cast<float*>(v.ptr), v.count); break;
@@ -675,6 +694,33 @@ class StorelessContext {
       opts.setTimeout(op_timeout());
       gloo::allgather(opts);
     });
+  }
+
+  // sends[j] / recvs[j]: a buffer for rank j or None; see small.h exchange.
+  std::vector<std::pair<int64_t, int64_t>> exchange_parts(const std::vector<py::object>& sends,
+                                                          const std::vector<py::object>& recvs) {
+    if (sends.size() != static_cast<size_t>(size_) || recvs.size() != static_cast<size_t>(size_)) {
+      throw py::value_error("exchange needs one entry per rank (None for none) in sends and recvs");
+    }
+    std::vector<py::buffer_info> held;       // keeps every buffer exported until the end
+    held.reserve(2 * size_);
+    auto parts = [&](const std::vector<py::object>& list, bool writable) {
+      std::vector<Part> out(size_);
+      for (int j = 0; j < size_; j++) {
+        if (list[j].is_none()) continue;
+        held.push_back(list[j].cast<py::buffer>().request(writable));
+        const auto& info = held.back();
+        out[j] = {info.ptr, static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize), true};
+      }
+      return out;
+    };
+    auto send_parts = parts(sends, false);
+    auto recv_parts = parts(recvs, true);
+    std::vector<std::pair<int64_t, int64_t>> result;
+    run([&](const std::shared_ptr<gloo::Context>& ctx) {
+      result = exchange(ctx, send_parts, recv_parts, op_timeout());
+    });
+    return result;
   }
 
   void barrier() {
@@ -833,6 +879,7 @@ class StorelessContext {
   const uint32_t generation_;
   const std::vector<std::pair<std::string, int>> peers_;
   const uint32_t group_key_;
+  const bool float_doubling_;          // "auto" allreduce: small float sums in log depth too
   gloo::transport::tcp::attr attr_;
   std::atomic<bool> released_{false};
   std::atomic<int64_t> timeout_ms_{0};   // read by ops on other threads; set_timeout may change it
@@ -902,6 +949,8 @@ void bind_context(py::module_& m) {
   py::register_exception_translator(&translate);
   // Group keys repeat modulo this (the group_key argument of Context).
   m.attr("GROUP_KEYS") = py::int_(gloo::transport::tcp::kGroupKeys);
+  // allreduce(algorithm="auto") takes recursive doubling up to this many bytes.
+  m.attr("SMALL_ALLREDUCE_BYTES") = py::int_(kSmallAllreduceBytes);
 
   py::class_<P2PRequest>(m, "Request", R"doc(
 A posted send or receive (Context.isend / Context.irecv).
@@ -953,14 +1002,15 @@ With connect=False call connect() later (e.g. in a thread, to abort it).
 Every blocking method releases the GIL; abort() may be called from any thread.
 )doc")
       .def(py::init<int, int, uint32_t, std::vector<std::pair<std::string, int>>, double, double,
-                    bool, double, double, double, double, double, double, int, bool, uint32_t>(),
+                    bool, double, double, double, double, double, double, int, bool, uint32_t,
+                    bool>(),
            py::arg("rank"), py::arg("size"), py::arg("generation"), py::arg("peers"),
            py::arg("timeout") = 30.0, py::arg("connect_timeout") = 60.0,
            py::arg("connect") = true, py::arg("retry_delay_initial") = 0.01,
            py::arg("retry_delay_max") = 0.5, py::arg("bind_retry_timeout") = 2.0,
            py::arg("ack_timeout") = 1.0, py::arg("keepalive_idle") = 5.0,
            py::arg("keepalive_interval") = 1.0, py::arg("keepalive_count") = 5,
-           py::arg("lazy") = false, py::arg("group_key") = 0)
+           py::arg("lazy") = false, py::arg("group_key") = 0, py::arg("float_doubling") = false)
       .def("connect", &StorelessContext::connect,
            "Connect the full mesh, or with lazy=True a binomial tree of pairs (blocks "
            "until connected or the connect deadline passes: ConnectTimeoutError naming "
@@ -974,14 +1024,24 @@ Every blocking method releases the GIL; abort() may be called from any thread.
       .def("close", &StorelessContext::close,
            "Abort if needed, wait for a running op to return, release the device.")
       .def("allreduce", &StorelessContext::allreduce, py::arg("buffer"), py::arg("op") = "sum",
-           py::arg("dtype") = py::none(),
+           py::arg("dtype") = py::none(), py::arg("algorithm") = "auto",
            "In-place allreduce of a writable buffer (float32/float64/int32/int64, inferred from "
-           "the buffer format or given as dtype); op is sum, product, min or max.")
+           "the buffer format or given as dtype); op is sum, product, min or max.  algorithm "
+           "'auto' takes recursive doubling (log2 N hops, the same bits on every rank) up to "
+           "SMALL_ALLREDUCE_BYTES where it gives the ring's bits (integers, min, max, N = 2; "
+           "float sums and products too with float_doubling=True) and Gloo's ring otherwise; "
+           "'doubling' or 'ring' forces one.")
       .def("broadcast", &StorelessContext::broadcast_bytes, py::arg("buffer"), py::arg("root"),
            "In-place broadcast of a writable buffer from rank root.")
       .def("allgather", &StorelessContext::allgather, py::arg("input"), py::arg("output"),
            "Gather every rank's input into output (size * len(input) bytes), in rank order.")
       .def("barrier", &StorelessContext::barrier)
+      .def("exchange", &StorelessContext::exchange_parts, py::arg("sends"), py::arg("recvs"),
+           "Send sends[j] to rank j and receive recvs[j] from rank j (buffers or None), every "
+           "pair at once, in one round: each pair swaps [bytes sent, bytes expected] right ahead "
+           "of its data; a receive whose size disagrees takes the data into scratch (the pair "
+           "stays usable).  Returns [(bytes rank j sent here, bytes it expected)] per rank, "
+           "(-1, -1) where nothing was exchanged.")
       .def("send", &StorelessContext::send, py::arg("buffer"), py::arg("dst"),
            py::arg("tag") = 0,
            "Send a buffer to rank dst; blocks until the peer received it (isend + wait).")

@@ -1,0 +1,52 @@
+// Log-depth allreduce for small buffers (small.cpp).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <utility>
+#include <vector>
+#include <cstdint>
+
+#include "gloo/context.h"
+
+namespace hpct {
+
+// c = a (op) b, elementwise over n elements (Gloo's reduce-function shape).
+using ReduceFn = std::function<void(void*, const void*, const void*, size_t)>;
+
+// Buffers up to this many bytes take small_allreduce; larger ones Gloo's ring,
+// whose 2(N-1) hops then cost less than log2(N) full-buffer exchanges.
+constexpr size_t kSmallAllreduceBytes = 64 * 1024;
+
+// In-place allreduce of `count` elements of `elsize` bytes at `data`, in
+// ceil(log2 N) exchange steps (+2 when N is not a power of two).  Every rank ends
+// with the same bits.  `timeout` bounds the whole op.
+void small_allreduce(const std::shared_ptr<gloo::Context>& ctx, void* data, size_t count,
+                     size_t elsize, const ReduceFn& fn, std::chrono::milliseconds timeout);
+
+}  // namespace hpct
+
+namespace hpct {
+
+// One side of a pairwise exchange: a buffer for a peer, or absent (nothing either way).
+struct Part {
+  void* ptr = nullptr;
+  size_t nbytes = 0;
+  bool present = false;
+};
+
+// Send sends[j] to rank j and receive recvs[j] from rank j, every pair at once, in one
+// round: each involved pair (a part present either way) swaps a header [bytes sent,
+// bytes expected] and the sender's data goes right behind it; a receiver takes data of
+// the announced size into its buffer when the sizes agree and into scratch otherwise,
+// so a disagreement fails nothing at the transport.  Returns, per rank, the peer's
+// header {bytes it sent this rank, bytes it expected}, or {-1, -1} (not involved, or
+// this rank).  `timeout` bounds the whole exchange.
+std::vector<std::pair<int64_t, int64_t>> exchange(const std::shared_ptr<gloo::Context>& ctx,
+                                                  const std::vector<Part>& sends,
+                                                  const std::vector<Part>& recvs,
+                                                  std::chrono::milliseconds timeout);
+
+}  // namespace hpct
