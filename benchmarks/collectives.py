@@ -72,7 +72,7 @@ def iterations(nbytes: int, budget: float) -> int:
 
 def rank_fn(rank, n, base, store_path, sizes, budget, ops, log_allreduce=False):
     _bench.hpct_env(rank, n, base)
-    if log_allreduce:          # small float sums of 3+ ranks in log depth too (not stock's bits)
+    if log_allreduce:          # small float sums in log depth at every size (not stock's bits)
         os.environ["HPCT_LOG_ALLREDUCE"] = "1"
     hd.init_process_group(timeout=300)
     hp = dist.group.WORLD

@@ -27,6 +27,9 @@ from .errors import ConfigError
 DEFAULT_PORT_BASE = 12000    # below the 20000 ephemeral floor that `hpct ports apply` sets
 DEFAULT_PORT_SLOTS = 8       # slotted groups alive at once (NCCL; the hpct backend's Gloo needs none)
 DEFAULT_HOSTS = ("127.0.0.1",)
+# From this group size a small float all_reduce takes recursive doubling (log2 N hops) instead of
+# Gloo's ring (2(N-1) hops): below it DDP stays bit-identical to stock Gloo, as users compare.
+DEFAULT_LOG_ALLREDUCE_FROM = 16
 MAX_PORT = 65535
 NCCL_LIBRARY_VAR = "HPCT_NCCL_LIBRARY"   # read by hpct.distributed.nccl_lib and hpct doctor
 
@@ -68,9 +71,10 @@ VARIABLES: tuple[Var, ...] = (
         help="seconds to keep connecting to peers before start-up fails"),
     Var("HPCT_LAZY_CONNECT", "lazy_connect", "bool", True,
         help="1 (default): a Gloo group connects each pair on first use; 0: the full mesh at start"),
-    Var("HPCT_LOG_ALLREDUCE", "log_allreduce", "bool", False,
-        help="1: small float sums and products (up to 64 KiB, 3+ ranks) also take the log-depth "
-             "all_reduce: the same bits on every rank, not bit-equal to stock Gloo's ring (0, the default)"),
+    Var("HPCT_LOG_ALLREDUCE", "log_allreduce_from", "int", DEFAULT_LOG_ALLREDUCE_FROM, 0, 16777216,
+        help="group size from which small float sums and products (up to 64 KiB) also take the log-depth "
+             "all_reduce (the same bits on every rank, not stock Gloo's ring order); 0: never, so every "
+             "size stays bit-equal to stock Gloo; 1: always"),
     Var(NCCL_LIBRARY_VAR, "nccl_library", "file", None,
         help="libnccl.so.2 with ncclCommInitRankRootless for CUDA tensors; default: the one torch loaded, "
              "when it is hpct's"),
@@ -211,7 +215,7 @@ class Config:
     hosts: tuple[str, ...] = DEFAULT_HOSTS
     connect_timeout: float = 300.0         # seconds
     lazy_connect: bool = True              # Gloo pairs on first use, not the full mesh
-    log_allreduce: bool = False            # small float sums in log depth (not stock's bits)
+    log_allreduce_from: int = DEFAULT_LOG_ALLREDUCE_FROM   # group size: small float sums in log depth
     generation: int = 0                    # bumped by each in-process recovery
     nccl_library: str | None = None        # the rootless libnccl for the CUDA half
     rank: int | None = None

@@ -217,3 +217,13 @@ def test_the_cuda_halfs_library_variable_is_known_and_kept(tmp_path):
     lib.write_bytes(b"\x7fELF")
     assert Config.from_mapping({"HPCT_NCCL_LIBRARY": str(lib)}).nccl_library == str(lib)
     assert Config.from_mapping({}).nccl_library is None
+
+
+def test_log_allreduce_is_the_group_size_from_which_float_sums_take_log_depth():
+    """Default 16: below it a float all_reduce keeps stock Gloo's ring bits (DDP compares them)."""
+    assert Config.from_mapping({}).log_allreduce_from == 16
+    assert Config.from_mapping({"HPCT_LOG_ALLREDUCE": "0"}).log_allreduce_from == 0
+    assert Config.from_mapping({"HPCT_LOG_ALLREDUCE": "1"}).log_allreduce_from == 1
+    with pytest.raises(ConfigError) as err:
+        Config.from_mapping({"HPCT_LOG_ALLREDUCE": "yes"})
+    assert "HPCT_LOG_ALLREDUCE" in err.value.problem

@@ -121,3 +121,44 @@ def test_a_dead_peer_fails_the_small_allreduce_on_every_survivor():
         assert "PeerError" in err["classes"], (r, err)
         assert "OpTimeoutError" not in err["classes"], (r, err)
         assert "peer rank" in err["message"], (r, err)
+
+
+GROUP_SCRIPT = """
+import json, os, random, struct, sys
+import torch, torch.distributed as dist
+import hpct.distributed as hd
+rank = int(os.environ["RANK"])
+rnd = random.Random(1000 + rank)
+t = torch.tensor([rnd.uniform(-1, 1) * 10 ** rnd.randint(-6, 6) for _ in range(64)], dtype=torch.float32)
+hd.init_process_group(timeout=60)
+dist.all_reduce(t)
+hd.shutdown_all()
+with open(os.path.join(sys.argv[1], f"{rank}.json"), "w") as f:
+    json.dump(struct.pack(f"{t.numel()}f", *t.tolist()).hex(), f)
+"""
+
+
+def _group_sum(tmp, size: int, env: dict) -> str:
+    import json
+    import sys
+    import time
+    from hpct.demo.agent import Job, free_port_block
+    tmp.mkdir()
+    job = Job([sys.executable, "-c", GROUP_SCRIPT, str(tmp)], size, free_port_block(2 * size), tmp,
+              time.monotonic() + 120, env=dict(env, HPCT_CONNECT_TIMEOUT="60", HPCT_PORT_SLOTS="1"))
+    with job:
+        job.start_all()
+        codes = job.wait_all()
+        assert codes == {r: 0 for r in range(size)}, [job.output(r) for r in range(size)]
+    bits = {json.loads((tmp / f"{r}.json").read_text()) for r in range(size)}
+    assert len(bits) == 1, "ranks disagree on the bits"
+    return bits.pop()
+
+
+def test_an_hpct_group_takes_log_depth_for_float_sums_from_HPCT_LOG_ALLREDUCE_ranks(tmp_path):
+    """The world wires Config.log_allreduce_from into the context: a group of 5 keeps the
+    ring's bits by default (from 16) and with 0 (never), and takes doubling's with 5 (float32
+    inputs of test_auto_keeps_the_rings_bits_for_float_sums_unless_asked, where they differ)."""
+    ring = _group_sum(tmp_path / "default", 5, {})
+    assert _group_sum(tmp_path / "never", 5, {"HPCT_LOG_ALLREDUCE": "0"}) == ring
+    assert _group_sum(tmp_path / "from5", 5, {"HPCT_LOG_ALLREDUCE": "5"}) != ring

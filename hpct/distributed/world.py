@@ -135,7 +135,8 @@ def _create(dist_opts, backend_options=None):
         ctx = _gloo.Context(group_rank, group_size, gen, peers, timeout=timeout,
                             connect_timeout=cfg.connect_timeout, connect=False,
                             retry_delay_initial=min(0.002, retry_max), retry_delay_max=retry_max,
-                            lazy=cfg.lazy_connect, group_key=key, float_doubling=cfg.log_allreduce)
+                            lazy=cfg.lazy_connect, group_key=key,
+                            float_doubling=0 < cfg.log_allreduce_from <= group_size)
     except _gloo.AddressInUseError as err:
         host, port = peers[group_rank]
         raise PortPlanError(
