@@ -21,7 +21,6 @@ printed as text only: it is a different transport and machine, nothing here meas
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -79,20 +78,14 @@ def run_once(mode: str, size: int, timeout: float) -> float:
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/",
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
              for r in range(size)]
-    deadline = time.monotonic() + timeout
-    try:
-        times = []
-        for p in procs[:-1]:             # the survivors; the leaver is killed below
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            if p.returncode != 0:
-                raise RuntimeError(f"{mode} N={size}: a survivor failed:\n{err[-2000:]}")
-            times.append(json.loads(out.strip().splitlines()[-1])["seconds"])
-        return max(times)
+    from hpct.demo.agent import slowest_rank_seconds
+    try:                                 # the survivors; the leaver is killed below
+        return slowest_rank_seconds(procs[:-1], time.monotonic() + timeout, f"{mode} N={size}")
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate(timeout=10)
+        leaver = procs[-1]
+        if leaver.poll() is None:
+            leaver.kill()
+            leaver.communicate(timeout=10)
 
 
 def main(argv=None) -> int:

@@ -25,7 +25,6 @@ if joiners came, a member broadcasts the state; hd.sync_state must find nothing 
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import queue
@@ -37,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 import hpct.distributed as hd
+from util import state_digest     # tests/ is this script's folder
 
 IDLE_S = 240.0              # no command for this long: the driver is gone, exit non-zero
 FAR = 1 << 62               # a joiner's "steps done" in the MIN: it holds no state
@@ -70,11 +70,7 @@ kept: dict[int, tuple] = {}   # steps done -> (model, optimizer) state after the
 
 
 def digest() -> str:
-    h = hashlib.sha256()
-    for t in [*model.state_dict().values(), *[v for s in opt.state.values() for v in s.values()
-                                               if torch.is_tensor(v)]]:
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
+    return state_digest(model, opt)
 
 
 def keep() -> None:

@@ -10,7 +10,6 @@ Facts go to OUT/grow-<rank>.json.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import hpct.distributed as hd
+from util import state_digest     # tests/ is this script's folder
 
 out, role = Path(sys.argv[1]), sys.argv[2]
 rank = int(os.environ["RANK"])
@@ -32,11 +32,7 @@ opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
 def digest() -> str:
-    h = hashlib.sha256()
-    for t in [*model.state_dict().values(), *[v for s in opt.state.values() for v in s.values()
-                                               if torch.is_tensor(v)]]:
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
+    return state_digest(model, opt)
 
 
 def train(steps: int, first: int) -> None:

@@ -82,3 +82,15 @@ def unguarded_calls(source: str, counted) -> tuple[int, list[str]]:
 
     visit(ast.parse(source), [])
     return calls, unguarded
+
+
+def state_digest(model, opt) -> str:
+    """16 hex digits over a model's state and its optimizer's tensors: equal means bit-identical."""
+    import hashlib
+
+    import torch
+    h = hashlib.sha256()
+    for t in [*model.state_dict().values(), *[v for s in opt.state.values() for v in s.values()
+                                               if torch.is_tensor(v)]]:
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
