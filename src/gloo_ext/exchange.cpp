@@ -21,12 +21,6 @@ namespace {
 constexpr uint64_t kHeaderSlot = uint64_t(0x23) << 56;
 constexpr uint64_t kDataSlot = uint64_t(0x24) << 56;
 
-std::chrono::milliseconds left(std::chrono::steady_clock::time_point deadline) {
-  auto rest = std::chrono::duration_cast<std::chrono::milliseconds>(
-      deadline - std::chrono::steady_clock::now());
-  return std::max(rest, std::chrono::milliseconds(1));
-}
-
 }  // namespace
 
 std::vector<std::pair<int64_t, int64_t>> exchange(const std::shared_ptr<gloo::Context>& ctx,

@@ -30,13 +30,6 @@ namespace {
 // goes in the low bits, so each exchange has its own slot.
 constexpr uint64_t kSmallAllreduceSlot = uint64_t(0x22) << 56;
 
-// The time left until `deadline`, at least 1 ms (a zero timeout would mean "unset").
-std::chrono::milliseconds left(std::chrono::steady_clock::time_point deadline) {
-  auto rest = std::chrono::duration_cast<std::chrono::milliseconds>(
-      deadline - std::chrono::steady_clock::now());
-  return std::max(rest, std::chrono::milliseconds(1));
-}
-
 }  // namespace
 
 void small_allreduce(const std::shared_ptr<gloo::Context>& ctx, void* data, size_t count,

@@ -1,6 +1,7 @@
 // Log-depth allreduce for small buffers (small.cpp).
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <functional>
@@ -12,6 +13,14 @@
 #include "gloo/context.h"
 
 namespace hpct {
+
+// The time left until `deadline`, at least 1 ms (a zero timeout would mean "unset");
+// the small allreduce and the exchange bound each wait by it.
+inline std::chrono::milliseconds left(std::chrono::steady_clock::time_point deadline) {
+  auto rest = std::chrono::duration_cast<std::chrono::milliseconds>(
+      deadline - std::chrono::steady_clock::now());
+  return std::max(rest, std::chrono::milliseconds(1));
+}
 
 // c = a (op) b, elementwise over n elements (Gloo's reduce-function shape).
 using ReduceFn = std::function<void(void*, const void*, const void*, size_t)>;
