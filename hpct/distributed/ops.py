@@ -186,40 +186,26 @@ def reduce_scatter_(ctx, out: torch.Tensor, inputs: list[torch.Tensor], op) -> N
     out.copy_(flat[ctx.rank * n:(ctx.rank + 1) * n].reshape(out.shape))
 
 
-NONE = -1     # "no tensor for that peer" in a size header
-
-
-def exchange(ctx, sends: list, recvs: list) -> tuple[dict[int, int], set[int]]:
+def exchange(ctx, sends: list, recvs: list) -> dict[int, int]:
     """Send ``sends[j]`` to rank j and receive ``recvs[j]`` from rank j (contiguous tensors or
     None), every pair at once; this rank's own pair is a local copy.
 
-    One round in the extension (``Context.exchange``): each pair with anything to move (a
-    tensor either way: the same pairs on both sides, since every rank makes the same call)
-    sends [bytes sent, bytes expected] right ahead of its data, and a receiver takes
-    announced bytes it did not expect into scratch, so a size two ranks disagree on fails
-    this op alone, never the group.  (An allgather of a size table first took N-1 hops
-    and a second round.)  Returns the pairs that disagree, for the caller to report:
-    {source rank: bytes it sent} for this rank's receives, and the ranks that expected
-    another size than this rank sends.
+    One message per pair and direction in the extension (``Context.exchange``), as in Gloo's
+    alltoall: each receive is posted at once with the size this rank expects.  A message of
+    another size is dropped there (Gloo patch 0020), so a size two ranks disagree on fails
+    this op on the receiving rank alone, never the group.  Returns those receives:
+    {source rank: bytes it sent}, for the caller to report.
     """
     me = ctx.rank
-    headers = ctx.exchange([None if t is None or j == me else as_bytes(t) for j, t in enumerate(sends)],
-                           [None if t is None or j == me else as_bytes(t) for j, t in enumerate(recvs)])
-    wrong: dict[int, int] = {}
-    refused = set()
-    for j, (sent_to_me, expects) in enumerate(headers):
-        if j == me:
-            continue
-        if recvs[j] is not None and sent_to_me != recvs[j].numel():
-            wrong[j] = max(sent_to_me, 0)
-        if sends[j] is not None and expects != sends[j].numel():
-            refused.add(j)
+    sent = ctx.exchange([None if t is None or j == me else as_bytes(t) for j, t in enumerate(sends)],
+                        [None if t is None or j == me else as_bytes(t) for j, t in enumerate(recvs)])
+    wrong = {j: n for j, n in enumerate(sent) if n >= 0}
     if recvs[me] is not None and sends[me] is not None:
         if sends[me].numel() != recvs[me].numel():
             wrong[me] = sends[me].numel()
         elif recvs[me].numel():
             recvs[me].copy_(sends[me])
-    return wrong, refused
+    return wrong
 
 
 def _receive_into(targets: list):
@@ -252,7 +238,7 @@ def split_rows(t: torch.Tensor, sizes, n: int) -> list[torch.Tensor]:
 
 def _all_to_all(ctx, outs: list[torch.Tensor], ins: list[torch.Tensor], what: str) -> None:
     recvs, finish = _receive_into(outs)
-    wrong, _ = exchange(ctx, [byte_view(_contig(x)) for x in ins], recvs)
+    wrong = exchange(ctx, [byte_view(_contig(x)) for x in ins], recvs)
     finish()
     if wrong:
         raise _size_error(what, outs, wrong)
@@ -273,7 +259,7 @@ def gather_(ctx, outs: list[torch.Tensor] | None, inp: torch.Tensor, root: int) 
     n = ctx.size
     sends = [byte_view(_contig(inp)) if j == root else None for j in range(n)]
     recvs, finish = _receive_into(outs if ctx.rank == root else [None] * n)
-    wrong, _ = exchange(ctx, sends, recvs)
+    wrong = exchange(ctx, sends, recvs)
     finish()
     if wrong:
         raise _size_error("gather: an output tensor", outs, wrong)
@@ -287,9 +273,9 @@ def scatter_(ctx, out: torch.Tensor, ins: list[torch.Tensor] | None, root: int) 
     sends = [byte_view(_contig(x)) for x in ins] if ctx.rank == root else [None] * n
     targets = [out if j == root else None for j in range(n)]
     recvs, finish = _receive_into(targets)
-    wrong, refused = exchange(ctx, sends, recvs)
+    wrong = exchange(ctx, sends, recvs)
     finish()
-    if refused or (ctx.rank == root and wrong):
+    if ctx.rank == root and wrong:
         raise ValueError("scatter: input sizes at the root do not match the output sizes")
     if wrong:
         raise _size_error("scatter: the output tensor", targets, wrong)

@@ -697,7 +697,7 @@ class StorelessContext {
   }
 
   // sends[j] / recvs[j]: a buffer for rank j or None; see small.h exchange.
-  std::vector<std::pair<int64_t, int64_t>> exchange_parts(const std::vector<py::object>& sends,
+  std::vector<int64_t> exchange_parts(const std::vector<py::object>& sends,
                                                           const std::vector<py::object>& recvs) {
     if (sends.size() != static_cast<size_t>(size_) || recvs.size() != static_cast<size_t>(size_)) {
       throw py::value_error("exchange needs one entry per rank (None for none) in sends and recvs");
@@ -716,7 +716,7 @@ class StorelessContext {
     };
     auto send_parts = parts(sends, false);
     auto recv_parts = parts(recvs, true);
-    std::vector<std::pair<int64_t, int64_t>> result;
+    std::vector<int64_t> result;
     run([&](const std::shared_ptr<gloo::Context>& ctx) {
       result = exchange(ctx, send_parts, recv_parts, op_timeout());
     });
@@ -1038,10 +1038,9 @@ Every blocking method releases the GIL; abort() may be called from any thread.
       .def("barrier", &StorelessContext::barrier)
       .def("exchange", &StorelessContext::exchange_parts, py::arg("sends"), py::arg("recvs"),
            "Send sends[j] to rank j and receive recvs[j] from rank j (buffers or None), every "
-           "pair at once, in one round: each pair swaps [bytes sent, bytes expected] right ahead "
-           "of its data; a receive whose size disagrees takes the data into scratch (the pair "
-           "stays usable).  Returns [(bytes rank j sent here, bytes it expected)] per rank, "
-           "(-1, -1) where nothing was exchanged.")
+           "pair at once, one message each way: a receive is of exactly its buffer's size, and "
+           "a message of another size is dropped (the pair stays usable).  Returns, per rank, "
+           "the bytes rank j sent where the sizes disagreed, else -1.")
       .def("send", &StorelessContext::send, py::arg("buffer"), py::arg("dst"),
            py::arg("tag") = 0,
            "Send a buffer to rank dst; blocks until the peer received it (isend + wait).")

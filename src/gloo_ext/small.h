@@ -46,16 +46,13 @@ struct Part {
   bool present = false;
 };
 
-// Send sends[j] to rank j and receive recvs[j] from rank j, every pair at once, in one
-// round: each involved pair (a part present either way) swaps a header [bytes sent,
-// bytes expected] and the sender's data goes right behind it; a receiver takes data of
-// the announced size into its buffer when the sizes agree and into scratch otherwise,
-// so a disagreement fails nothing at the transport.  Returns, per rank, the peer's
-// header {bytes it sent this rank, bytes it expected}, or {-1, -1} (not involved, or
-// this rank).  `timeout` bounds the whole exchange.
-std::vector<std::pair<int64_t, int64_t>> exchange(const std::shared_ptr<gloo::Context>& ctx,
-                                                  const std::vector<Part>& sends,
-                                                  const std::vector<Part>& recvs,
-                                                  std::chrono::milliseconds timeout);
+// Send sends[j] to rank j and receive recvs[j] from rank j, every pair at once, one
+// message per pair and direction: a rank posts a send where its part is present and a
+// receive of exactly its part's size where it expects one (the same pairs on both sides,
+// as every rank makes the same call).  Returns, per rank, the bytes that rank sent where
+// it disagreed with the size this rank expects (the message was dropped, nothing failed
+// at the transport), else -1.  `timeout` bounds the whole exchange.
+std::vector<int64_t> exchange(const std::shared_ptr<gloo::Context>& ctx, const std::vector<Part>& sends,
+                              const std::vector<Part>& recvs, std::chrono::milliseconds timeout);
 
 }  // namespace hpct
