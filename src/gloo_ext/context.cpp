@@ -698,7 +698,7 @@ class StorelessContext {
 
   // sends[j] / recvs[j]: a buffer for rank j or None; see small.h exchange.
   std::vector<int64_t> exchange_parts(const std::vector<py::object>& sends,
-                                                          const std::vector<py::object>& recvs) {
+                                      const std::vector<py::object>& recvs) {
     if (sends.size() != static_cast<size_t>(size_) || recvs.size() != static_cast<size_t>(size_)) {
       throw py::value_error("exchange needs one entry per rank (None for none) in sends and recvs");
     }

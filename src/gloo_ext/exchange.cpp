@@ -6,7 +6,6 @@
 // pair (the group would be lost): patch 0020's reportSizeMismatch has Gloo drop such a
 // message and fail its receive with SizeMismatchException, which names the sent size.
 // (A header ahead of each message cost a round trip per op.)  Runs without the GIL.
-#include <string>
 #include <vector>
 
 #include "small.h"
