@@ -278,7 +278,7 @@ class HpctProcessGroup(dist.ProcessGroup):
         engine = self._engine("allgather_coalesced", input_list)
         checks.dense("allgather_coalesced", input_list)
         checks.coalesced_outputs("allgather_coalesced", output_lists, input_list)
-        return engine.allgather_coalesced(output_lists, input_list)
+        return self._go(engine, opts, "allgather_coalesced", output_lists, input_list)
 
     def all_gather_single(self, output, input, opts=None):
         engine = self._engine("all_gather_into_tensor", [output, input])
@@ -302,7 +302,7 @@ class HpctProcessGroup(dist.ProcessGroup):
                 checks.fail("all_gather_into_tensor_coalesced", "invalid tensor size or type: each output "
                             "needs its input's dtype and group size x its elements", "size the outputs so")
         engine = self._engine("all_gather_into_tensor_coalesced", [*outputs, *inputs])
-        return engine.all_gather_single_coalesced(outputs, inputs)
+        return self._go(engine, opts, "all_gather_single_coalesced", outputs, inputs)
 
     def reduce_scatter(self, output_tensors, input_lists, opts=None):
         if isinstance(output_tensors, torch.Tensor):      # reduce_scatter(out, [ins], op)
@@ -336,7 +336,7 @@ class HpctProcessGroup(dist.ProcessGroup):
                 checks.fail("reduce_scatter_tensor_coalesced", "invalid tensor size: each input needs "
                             "group size x its output's elements", "size the inputs so")
         engine = self._engine("reduce_scatter_tensor_coalesced", [*outputs, *inputs])
-        return engine.reduce_scatter_single_coalesced(outputs, inputs, op)
+        return self._go(engine, opts, "reduce_scatter_single_coalesced", outputs, inputs, op)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         engine = self._engine("all_to_all_single", [output, input])
@@ -355,21 +355,22 @@ class HpctProcessGroup(dist.ProcessGroup):
             input_tensors = [input_tensors]
             output_tensors = [output_tensors] if output_tensors else []
             opts, root = None, (opts if root is None else root)
-        engine, root, inp, outs = self._rooted("gather", input_tensors, output_tensors, opts, root,
+        engine, opts, inp, outs = self._rooted("gather", input_tensors, output_tensors, opts, root,
                                                GatherOptions, local="input", rooted="output")
-        return engine.gather(outs, inp, root)
+        return self._go(engine, opts, "gather", outs, inp, opts.rootRank)
 
     def scatter(self, output_tensors, input_tensors, opts=None, root=None):
         if isinstance(output_tensors, torch.Tensor):       # scatter(out, [inputs], root)
             output_tensors = [output_tensors]
             input_tensors = [input_tensors] if input_tensors else []
             opts, root = None, (opts if root is None else root)
-        engine, root, out, ins = self._rooted("scatter", output_tensors, input_tensors, opts, root,
+        engine, opts, out, ins = self._rooted("scatter", output_tensors, input_tensors, opts, root,
                                               ScatterOptions, local="output", rooted="input")
-        return engine.scatter(out, ins, root)
+        return self._go(engine, opts, "scatter", out, ins, opts.rootRank)
 
     def _rooted(self, op, mine, lists, opts, root, options, *, local, rooted):
-        """gather/scatter: the engine, the root, this rank's tensor and the root's list (None elsewhere)."""
+        """gather/scatter: the engine, the options (root set), this rank's tensor and the root's
+        list (None elsewhere)."""
         opts = opts if opts is not None else options()
         if root is not None:
             opts.rootRank = root
@@ -378,7 +379,7 @@ class HpctProcessGroup(dist.ProcessGroup):
         checks.single(op, mine, f"{local} tensor list")
         engine = self._engine(op, mine)
         checks.dense(op, mine)
-        return engine, root, mine[0], checks.root_list(op, lists, self._rank, root, self._size, mine[0], rooted)
+        return engine, opts, mine[0], checks.root_list(op, lists, self._rank, root, self._size, mine[0], rooted)
 
     def barrier(self, opts=None):
         return self._go(self._engines["cpu"], opts, "barrier")

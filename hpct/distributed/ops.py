@@ -186,9 +186,39 @@ def reduce_scatter_(ctx, out: torch.Tensor, inputs: list[torch.Tensor], op) -> N
     out.copy_(flat[ctx.rank * n:(ctx.rank + 1) * n].reshape(out.shape))
 
 
-def exchange(ctx, sends: list, recvs: list) -> dict[int, int]:
-    """Send ``sends[j]`` to rank j and receive ``recvs[j]`` from rank j (contiguous tensors or
-    None), every pair at once; this rank's own pair is a local copy.
+def _parts(tensors: list) -> tuple[list[int], list[int]]:
+    """Addresses and byte sizes of contiguous tensors (size -1 where None)."""
+    addrs, sizes = [0] * len(tensors), [-1] * len(tensors)
+    for j, t in enumerate(tensors):
+        if t is not None:
+            addrs[j], sizes[j] = t.data_ptr(), t.nbytes
+    return addrs, sizes
+
+
+def _row_parts(t: torch.Tensor, splits, n: int) -> tuple[list[int], list[int]]:
+    """Addresses and byte sizes of a contiguous tensor's n blocks of rows along dim 0
+    (``splits`` rows each; equal blocks when it is empty), without slicing the tensor."""
+    rows = t.shape[0]
+    if not splits:
+        if rows % n:
+            raise ValueError(f"dimension 0 of size {rows} is not divisible by the group size {n}")
+        splits = [rows // n] * n
+    elif len(splits) != n or sum(splits) != rows:
+        raise ValueError(f"split sizes {list(splits)} do not match dimension 0 ({rows}) "
+                         f"and the group size {n}")
+    row = t.nbytes // rows if rows else 0
+    addr, addrs, sizes = t.data_ptr(), [], []
+    for k in splits:
+        addrs.append(addr)
+        sizes.append(k * row)
+        addr += k * row
+    return addrs, sizes
+
+
+def exchange(ctx, send_parts: tuple, recv_parts: tuple) -> dict[int, int]:
+    """Send part j of ``send_parts`` to rank j and receive part j of ``recv_parts`` from rank
+    j, every pair at once; this rank's own part is a local copy.  Parts are (addresses, byte
+    sizes) as _parts and _row_parts give them, over tensors the caller holds.
 
     One message per pair and direction in the extension (``Context.exchange``), as in Gloo's
     alltoall: each receive is posted at once with the size this rank expects.  A message of
@@ -196,73 +226,58 @@ def exchange(ctx, sends: list, recvs: list) -> dict[int, int]:
     this op on the receiving rank alone, never the group.  Returns those receives:
     {source rank: bytes it sent}, for the caller to report.
     """
-    me = ctx.rank
-    sent = ctx.exchange([None if t is None or j == me else as_bytes(t) for j, t in enumerate(sends)],
-                        [None if t is None or j == me else as_bytes(t) for j, t in enumerate(recvs)])
-    wrong = {j: n for j, n in enumerate(sent) if n >= 0}
-    if recvs[me] is not None and sends[me] is not None:
-        if sends[me].numel() != recvs[me].numel():
-            wrong[me] = sends[me].numel()
-        elif recvs[me].numel():
-            recvs[me].copy_(sends[me])
-    return wrong
+    sent = ctx.exchange(*send_parts, *recv_parts)
+    return {j: n for j, n in enumerate(sent) if n >= 0}
 
 
-def _receive_into(targets: list):
-    """Contiguous uint8 views to receive into, and a finish() that copies staged ones back."""
-    staged = [None if t is None else _contig(t) for t in targets]
-
-    def finish():
-        for t, s in zip(targets, staged):
-            if t is not None and s is not t:
-                t.copy_(s)
-    return [None if s is None else byte_view(s) for s in staged], finish
+def _staged(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A contiguous tensor to receive into in place of ``t`` (``t`` itself when it is one)."""
+    return t if t is None or t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
-def _size_error(what: str, targets: list, wrong: dict[int, int]) -> ValueError:
+def _copy_back(targets: list, staged: list) -> None:
+    for t, s in zip(targets, staged):
+        if s is not t:
+            t.copy_(s)
+
+
+def _size_error(what: str, sizes: list[int], wrong: dict[int, int]) -> ValueError:
     j = min(wrong)
-    return ValueError(f"{what} holds {targets[j].numel() * targets[j].element_size()} bytes, received {wrong[j]}")
-
-
-def split_rows(t: torch.Tensor, sizes, n: int) -> list[torch.Tensor]:
-    """Split ``t`` along dim 0 into ``sizes`` rows (equal parts when sizes is empty)."""
-    if not sizes:
-        if t.shape[0] % n:
-            raise ValueError(f"dimension 0 of size {t.shape[0]} is not divisible by the group size {n}")
-        sizes = [t.shape[0] // n] * n
-    if len(sizes) != n or sum(sizes) != t.shape[0]:
-        raise ValueError(f"split sizes {list(sizes)} do not match dimension 0 ({t.shape[0]}) "
-                         f"and the group size {n}")
-    return list(torch.split(t, list(sizes), dim=0))
-
-
-def _all_to_all(ctx, outs: list[torch.Tensor], ins: list[torch.Tensor], what: str) -> None:
-    recvs, finish = _receive_into(outs)
-    wrong = exchange(ctx, [byte_view(_contig(x)) for x in ins], recvs)
-    finish()
-    if wrong:
-        raise _size_error(what, outs, wrong)
+    return ValueError(f"{what} holds {sizes[j]} bytes, received {wrong[j]}")
 
 
 def all_to_all_single_(ctx, out, inp, out_splits, in_splits) -> None:
     n = ctx.size
-    _all_to_all(ctx, split_rows(out, out_splits, n), split_rows(inp, in_splits, n),
-                "all_to_all_single: an output split")
+    staged, source = _staged(out), _contig(inp)     # held: the extension reads their addresses
+    recvs = _row_parts(staged, out_splits, n)
+    wrong = exchange(ctx, _row_parts(source, in_splits, n), recvs)
+    if staged is not out:
+        out.copy_(staged)
+    if wrong:
+        raise _size_error("all_to_all_single: an output split", recvs[1], wrong)
 
 
 def alltoall_(ctx, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
-    _all_to_all(ctx, outs, ins, "all_to_all: an output tensor")
+    staged, sources = [_staged(t) for t in outs], [_contig(x) for x in ins]   # held, as above
+    recvs = _parts(staged)
+    wrong = exchange(ctx, _parts(sources), recvs)
+    _copy_back(outs, staged)
+    if wrong:
+        raise _size_error("all_to_all: an output tensor", recvs[1], wrong)
 
 
 def gather_(ctx, outs: list[torch.Tensor] | None, inp: torch.Tensor, root: int) -> None:
     """Every rank's ``inp`` into the root's ``outs``: only the root receives."""
     n = ctx.size
-    sends = [byte_view(_contig(inp)) if j == root else None for j in range(n)]
-    recvs, finish = _receive_into(outs if ctx.rank == root else [None] * n)
-    wrong = exchange(ctx, sends, recvs)
-    finish()
+    sends = [None] * n
+    sends[root] = _contig(inp)
+    staged = [_staged(t) for t in outs] if ctx.rank == root else [None] * n
+    recvs = _parts(staged)
+    wrong = exchange(ctx, _parts(sends), recvs)
+    if ctx.rank == root:
+        _copy_back(outs, staged)
     if wrong:
-        raise _size_error("gather: an output tensor", outs, wrong)
+        raise _size_error("gather: an output tensor", recvs[1], wrong)
 
 
 def scatter_(ctx, out: torch.Tensor, ins: list[torch.Tensor] | None, root: int) -> None:
@@ -270,15 +285,17 @@ def scatter_(ctx, out: torch.Tensor, ins: list[torch.Tensor] | None, root: int) 
     n = ctx.size
     if ctx.rank == root and len(ins) != n:
         raise ValueError(f"scatter: root needs {n} input tensors, got {len(ins)}")
-    sends = [byte_view(_contig(x)) for x in ins] if ctx.rank == root else [None] * n
-    targets = [out if j == root else None for j in range(n)]
-    recvs, finish = _receive_into(targets)
-    wrong = exchange(ctx, sends, recvs)
-    finish()
+    sends = [_contig(x) for x in ins] if ctx.rank == root else [None] * n
+    recvs = [None] * n
+    recvs[root] = staged = _staged(out)
+    recv_parts = _parts(recvs)
+    wrong = exchange(ctx, _parts(sends), recv_parts)
+    if staged is not out:
+        out.copy_(staged)
     if ctx.rank == root and wrong:
         raise ValueError("scatter: input sizes at the root do not match the output sizes")
     if wrong:
-        raise _size_error("scatter: the output tensor", targets, wrong)
+        raise _size_error("scatter: the output tensor", recv_parts[1], wrong)
 
 
 def isend_(ctx, t: torch.Tensor, dst: int, tag: int):

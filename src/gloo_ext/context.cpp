@@ -696,26 +696,34 @@ class StorelessContext {
     });
   }
 
-  // sends[j] / recvs[j]: a buffer for rank j or None; see small.h exchange.
-  std::vector<int64_t> exchange_parts(const std::vector<py::object>& sends,
-                                      const std::vector<py::object>& recvs) {
-    if (sends.size() != static_cast<size_t>(size_) || recvs.size() != static_cast<size_t>(size_)) {
-      throw py::value_error("exchange needs one entry per rank (None for none) in sends and recvs");
+  // Rank j's parts: send_bytes[j] bytes at send_addrs[j] go to rank j, recv_bytes[j] bytes
+  // from rank j land at recv_addrs[j]; a negative size means no part.  Addresses, not buffers:
+  // a buffer object per part cost the Python caller more than a 4-byte message takes to
+  // travel (ops.py keeps the tensors alive for the call).  See small.h exchange.
+  std::vector<int64_t> exchange_at(const std::vector<uintptr_t>& send_addrs,
+                                   const std::vector<int64_t>& send_bytes,
+                                   const std::vector<uintptr_t>& recv_addrs,
+                                   const std::vector<int64_t>& recv_bytes) {
+    const size_t n = static_cast<size_t>(size_);
+    if (send_addrs.size() != n || send_bytes.size() != n || recv_addrs.size() != n ||
+        recv_bytes.size() != n) {
+      throw py::value_error("exchange needs one address and one size per rank (size -1 for none) "
+                            "in sends and recvs");
     }
-    std::vector<py::buffer_info> held;       // keeps every buffer exported until the end
-    held.reserve(2 * size_);
-    auto parts = [&](const std::vector<py::object>& list, bool writable) {
-      std::vector<Part> out(size_);
-      for (int j = 0; j < size_; j++) {
-        if (list[j].is_none()) continue;
-        held.push_back(list[j].cast<py::buffer>().request(writable));
-        const auto& info = held.back();
-        out[j] = {info.ptr, static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize), true};
+    auto parts = [&](const std::vector<uintptr_t>& addrs, const std::vector<int64_t>& bytes) {
+      std::vector<Part> out(n);
+      for (size_t j = 0; j < n; j++) {
+        if (bytes[j] < 0) continue;
+        if (bytes[j] > 0 && addrs[j] == 0) {
+          throw py::value_error("exchange: part " + std::to_string(j) + " has " +
+                                std::to_string(bytes[j]) + " bytes at address 0");
+        }
+        out[j] = {reinterpret_cast<void*>(addrs[j]), static_cast<size_t>(bytes[j]), true};
       }
       return out;
     };
-    auto send_parts = parts(sends, false);
-    auto recv_parts = parts(recvs, true);
+    auto send_parts = parts(send_addrs, send_bytes);
+    auto recv_parts = parts(recv_addrs, recv_bytes);
     std::vector<int64_t> result;
     run([&](const std::shared_ptr<gloo::Context>& ctx) {
       result = exchange(ctx, send_parts, recv_parts, op_timeout());
@@ -1036,11 +1044,13 @@ Every blocking method releases the GIL; abort() may be called from any thread.
       .def("allgather", &StorelessContext::allgather, py::arg("input"), py::arg("output"),
            "Gather every rank's input into output (size * len(input) bytes), in rank order.")
       .def("barrier", &StorelessContext::barrier)
-      .def("exchange", &StorelessContext::exchange_parts, py::arg("sends"), py::arg("recvs"),
-           "Send sends[j] to rank j and receive recvs[j] from rank j (buffers or None), every "
-           "pair at once, one message each way: a receive is of exactly its buffer's size, and "
-           "a message of another size is dropped (the pair stays usable).  Returns, per rank, "
-           "the bytes rank j sent where the sizes disagreed, else -1.")
+      .def("exchange", &StorelessContext::exchange_at, py::arg("send_addrs"), py::arg("send_bytes"),
+           py::arg("recv_addrs"), py::arg("recv_bytes"),
+           "Send send_bytes[j] bytes at address send_addrs[j] to rank j and receive recv_bytes[j] "
+           "bytes from rank j at recv_addrs[j] (size -1: no part), every pair at once, one "
+           "message each way; this rank's own part is a local copy.  A message of another size "
+           "than the receive's is dropped (the pair stays usable).  Returns, per rank, the bytes "
+           "rank j sent where the sizes disagreed, else -1.  The caller keeps the memory alive.")
       .def("send", &StorelessContext::send, py::arg("buffer"), py::arg("dst"),
            py::arg("tag") = 0,
            "Send a buffer to rank dst; blocks until the peer received it (isend + wait).")

@@ -51,7 +51,9 @@ struct Part {
 // receive of exactly its part's size where it expects one (the same pairs on both sides,
 // as every rank makes the same call).  Returns, per rank, the bytes that rank sent where
 // it disagreed with the size this rank expects (the message was dropped, nothing failed
-// at the transport), else -1.  `timeout` bounds the whole exchange.
+// at the transport), else -1.  This rank's own part (sends[rank] to recvs[rank]) is a
+// local copy, or reported the same way when its sizes disagree.  `timeout` bounds the
+// whole exchange.
 std::vector<int64_t> exchange(const std::shared_ptr<gloo::Context>& ctx, const std::vector<Part>& sends,
                               const std::vector<Part>& recvs, std::chrono::milliseconds timeout);
 
