@@ -181,12 +181,34 @@ def overlapping_subgroups():
     return got
 
 
+def background():
+    """An async all_reduce that rank 0 never waits for before it blocks in a recv, which
+    rank 1 sends only after its own (blocking) all_reduce: rank 0's op must run on its own.
+    Once after an idle spell (the worker asleep until rung) and once right after (it polls)."""
+    got = []
+    for idle in (0.2, 0.0):
+        time.sleep(idle)
+        t = torch.full((3,), float(rank + 1))
+        token = torch.zeros(1)
+        if rank == 0:
+            w = dist.all_reduce(t, async_op=True)
+            dist.recv(token, src=1)
+            w.wait()
+        else:
+            dist.all_reduce(t)
+            if rank == 1:
+                dist.send(torch.full((1,), 7.0), dst=0)
+        got.append([t.tolist(), token.item()])
+    return got
+
+
 CASES = {"coalesced_order": coalesced_order, "coalesced_duplicate": coalesced_duplicate,
          "allgather_several": allgather_several, "gather_several": gather_several,
          "broadcast_root_tensor": broadcast_root_tensor, "broadcast_short_form": broadcast_short_form,
          "checks": checks, "premul_sum": premul_sum, "inference_gather": inference_gather,
          "sparse_sum": sparse_sum, "monitored": monitored, "many_groups": many_groups,
-         "overlapping_subgroups": overlapping_subgroups, "gloo_subgroup": gloo_subgroup}
+         "overlapping_subgroups": overlapping_subgroups, "gloo_subgroup": gloo_subgroup,
+         "background": background}
 
 def monitored_missing():
     """Rank n-1 skips the monitored barrier: rank 0 names it, every rank fails promptly."""

@@ -123,3 +123,12 @@ def test_members_that_saw_different_subgroups_agree_on_a_key(res):
 def test_gloo_subgroup_under_hpct_world_fails_at_once(res):
     refusal(res, "gloo_subgroup", "placeholder", "new_group(backend='hpct')")
     assert all(res[r]["gloo_subgroup"]["seconds"] < 5.0 for r in range(WORLD))    # its timeout: 20 s
+
+
+def test_an_async_op_nobody_waits_for_still_runs(res):
+    # Rank 0 blocks in a recv that rank 1 sends only after the all_reduce, so rank 0's
+    # all_reduce must start without a wait(): cold (worker asleep) and hot (polling).
+    total = float(sum(range(1, WORLD + 1)))
+    got = values(res, "background")
+    assert got[0] == [[[total] * 3, 7.0]] * 2, got[0]
+    assert got[1] == got[2] == [[[total] * 3, 0.0]] * 2, got
