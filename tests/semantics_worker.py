@@ -184,7 +184,7 @@ def overlapping_subgroups():
 def background():
     """An async all_reduce that rank 0 never waits for before it blocks in a recv, which
     rank 1 sends only after its own (blocking) all_reduce: rank 0's op must run on its own.
-    Once after an idle spell (the worker asleep until rung) and once right after (it polls)."""
+    Once after an idle spell and once right after another op."""
     got = []
     for idle in (0.2, 0.0):
         time.sleep(idle)

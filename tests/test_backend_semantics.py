@@ -127,7 +127,7 @@ def test_gloo_subgroup_under_hpct_world_fails_at_once(res):
 
 def test_an_async_op_nobody_waits_for_still_runs(res):
     # Rank 0 blocks in a recv that rank 1 sends only after the all_reduce, so rank 0's
-    # all_reduce must start without a wait(): cold (worker asleep) and hot (polling).
+    # all_reduce must start without a wait(): after an idle spell and back to back.
     total = float(sum(range(1, WORLD + 1)))
     got = values(res, "background")
     assert got[0] == [[[total] * 3, 7.0]] * 2, got[0]
