@@ -16,12 +16,13 @@ where it costs least, with the same guarantees:
   the caller would block anyway, and the worker later finds it taken.
 
 Why the worker is still woken at once for every queued op (measured with
-``benchmarks/collectives.py`` at 4 B, N = 2 and 4, on 2 virtual CPUs): a C++ doorbell that
-let the worker sleep without the GIL until an op went unclaimed for 200 us, woken by a
-condition variable, by a 1 ms poll while ops came often, or by a kernel timer, saved the
-caller up to 30 us per wake-up, yet all_to_all_single and scatter got slower (0.69-0.84x
-Gloo's against 0.85-0.95x in the same runs).  A likely cause, not proven: the early
-wake-up has the second CPU running when the messages arrive.
+``benchmarks/collectives.py`` at 4 B, N = 2 and 4, on 2 virtual CPUs): C++ doorbells that let
+the worker sleep without the GIL until an op went unclaimed for 200 us (woken by a condition
+variable, by a 1 ms poll while ops came often, or by a kernel timer) spared the caller a
+wake-up (8 us median, 30 us p90), yet no row got faster: with the timer, all_to_all_single
+at N = 2 ran at 0.69-0.83x Gloo's against 0.86-0.95x in interleaved runs, and the poll cost
+N = 4 (all_reduce 0.86-0.90x against 1.2x).  A likely cause, not proven: the early wake-up
+has the second CPU running when the messages arrive.
 
 Every op still runs alone and in issue order (one claim at a time, always the head of the
 queue).  A transport error fails the group: every later op fails at once with its cause.
