@@ -251,8 +251,7 @@ def all_to_all_single_(ctx, out, inp, out_splits, in_splits) -> None:
     staged, source = _staged(out), _contig(inp)     # held: the extension reads their addresses
     recvs = _row_parts(staged, out_splits, n)
     wrong = exchange(ctx, _row_parts(source, in_splits, n), recvs)
-    if staged is not out:
-        out.copy_(staged)
+    _copy_back([out], [staged])
     if wrong:
         raise _size_error("all_to_all_single: an output split", recvs[1], wrong)
 
@@ -290,8 +289,7 @@ def scatter_(ctx, out: torch.Tensor, ins: list[torch.Tensor] | None, root: int) 
     recvs[root] = staged = _staged(out)
     recv_parts = _parts(recvs)
     wrong = exchange(ctx, _parts(sends), recv_parts)
-    if staged is not out:
-        out.copy_(staged)
+    _copy_back([out], [staged])
     if ctx.rank == root and wrong:
         raise ValueError("scatter: input sizes at the root do not match the output sizes")
     if wrong:
