@@ -178,6 +178,9 @@ def test_rootless_taken_port_is_named_at_once(harness):
     from hpct.ports import free_port_block
     base = free_port_block(2)
     squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # As free_port_block probes (and listeners bind): a connection of an earlier test still in
+    # TIME_WAIT on that port must not fail the bind; a listening squatter still holds the port.
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         squatter.bind(("127.0.0.1", base + 1))
         squatter.listen(8)
