@@ -44,6 +44,14 @@ def refused(name, fn):
         res[name] = f"{type(err).__name__}: {err}"
 
 
+def wait_for(path, limit_s=60.0):
+    end = time.monotonic() + limit_s
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            raise TimeoutError(f"{path} did not appear within {limit_s} s")
+        time.sleep(0.01)
+
+
 def save():
     with open(os.path.join(out, f"res-{rank}.json"), "w") as f:
         json.dump(res, f)
@@ -88,6 +96,11 @@ if rank == LEAVER:
         time.sleep(0.05)
     os._exit(0)
 
+# The shrink aborts the old group, which resets its connections at once. A leaver still
+# reading its last all_reduce (the others may finish theirs first: their small messages go out
+# without waiting for its ready word) would fail on that reset; this test is about the
+# survivors, so they shrink once the leaver is through, as a job that scales down would.
+wait_for(os.path.join(out, f"res-{LEAVER}.json"))
 t0 = time.perf_counter()
 world = shrink([LEAVER])
 res["shrink_s"] = time.perf_counter() - t0
@@ -106,7 +119,10 @@ sub = dist.new_group([0, 1, 2])
 t = torch.ones(1)
 dist.all_reduce(t, group=sub)
 res["sub_before"] = t.item()
-if me != 0:
+if me == 0:
+    open(os.path.join(out, "sub-done"), "w").close()
+else:
+    wait_for(os.path.join(out, "sub-done"))   # as before the first shrink
     gen = sub.generation
     sub2 = shrink([0], group=sub)
     t = torch.tensor([float(me)])

@@ -55,7 +55,7 @@ hd.shutdown_all()
 
 def test_recv_from_any_source_names_each_sender(tmp_path):
     codes, outputs = run_rank_script(tmp_path, RANK, [str(tmp_path)], WORLD, 90, env={"HPCT_CONNECT_TIMEOUT": "30"})
-    assert codes == {r: 0 for r in range(WORLD)}, outputs
+    assert codes == {r: 0 for r in range(WORLD)}, "\n".join(outputs)
     res = json.loads((tmp_path / "res-0.json").read_text())
     got = res["got"]
     assert sorted(map(tuple, (tuple(g[1]) for g in got[:3]))) == [(1, 10), (2, 20), (3, 30)]

@@ -127,7 +127,7 @@ def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eager")
     codes, outputs = run_rank_script(tmp, RANK, [str(OP_TIMEOUT_S), str(LATE_S), str(tmp / "closed")], 2,
                                      limit_s=120)
-    assert codes == {0: 0, 1: 0}, outputs
+    assert codes == {0: 0, 1: 0}, "\n".join(outputs)
     found = []
     for out in outputs:
         line = [x for x in out.splitlines() if x.startswith("RESULT ")]

@@ -117,7 +117,7 @@ hd.shutdown_all()
 def test_a_size_two_ranks_disagree_on_fails_only_there_and_at_once(tmp_path):
     codes, outputs = run_rank_script(tmp_path, RANK % {"timeout": OP_TIMEOUT_S}, [str(tmp_path)], WORLD, 120,
                                      env={"HPCT_CONNECT_TIMEOUT": "30"})
-    assert codes == {r: 0 for r in range(WORLD)}, outputs
+    assert codes == {r: 0 for r in range(WORLD)}, "\n".join(outputs)
     res = [json.loads((tmp_path / f"res-{r}.json").read_text()) for r in range(WORLD)]
     # all_to_all_single: rank 2's split from rank 0 is wrong; everything else arrives
     assert res[0]["a2a"] == {**res[0]["a2a"], "ok": True, "value": [0.0, 10.0, 20.0]}

@@ -34,7 +34,7 @@ def run(out: Path, world: int, *args: str) -> list[dict]:
         job.start_all()
         codes = job.wait_all()
         outputs = [job.output(r) for r in range(world)]
-    assert codes == {r: 0 for r in range(world)}, outputs
+    assert codes == {r: 0 for r in range(world)}, "\n".join(outputs)
     return [json.loads((out / f"res-{r}.json").read_text()) if (out / f"res-{r}.json").exists() else {}
             for r in range(world)]
 

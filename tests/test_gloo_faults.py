@@ -153,7 +153,7 @@ def test_barrier_then_shutdown_all_loses_nothing(tmp_path):
     world, cycles = 4, 8
     codes, outputs = run_rank_script(tmp_path, CLEAN_EXIT_RANK, [str(tmp_path), str(cycles)], world, 150,
                                      env={"HPCT_CONNECT_TIMEOUT": "30"})
-    assert codes == {r: 0 for r in range(world)}, outputs
+    assert codes == {r: 0 for r in range(world)}, "\n".join(outputs)
     failures = {r: [o for o in json.loads((tmp_path / f"clean-{r}.json").read_text()) if o != "ok"]
                 for r in range(world)}
     assert failures == {r: [] for r in range(world)}, failures
@@ -208,7 +208,7 @@ def test_a_rank_that_shuts_down_fails_no_peer(tmp_path):
         job.start_all()
         codes = job.wait_all()
         outputs = [job.output(r) for r in range(world)]
-    assert codes == {r: 0 for r in range(world)}, outputs
+    assert codes == {r: 0 for r in range(world)}, "\n".join(outputs)
     res = [json.loads((tmp_path / f"leaver-{r}.json").read_text()) for r in range(world)]
     assert res[0] == {"outcome": "ok", "data": [float(i) for i in range(8)]}, res
     assert res[1]["outcome"] == "ok", res

@@ -177,7 +177,7 @@ def _backend_job(tmp_path, scenario, world):
 def _gather_outcomes(tmp_path, scenario, world):
     import json
     codes, outputs = _backend_job(tmp_path, scenario, world)
-    assert codes == {r: 0 for r in range(world)}, outputs
+    assert codes == {r: 0 for r in range(world)}, "\n".join(outputs)
     results = [json.loads((tmp_path / f"{scenario}-{r}.json").read_text()) for r in range(world)]
     for r, res in enumerate(results):
         assert res["outcome"] == "RuntimeError", (r, res)
@@ -214,6 +214,6 @@ def test_exit_with_hpct_ops_queued_ends_cleanly(tmp_path):
         out = tmp_path / f"run{attempt}"
         out.mkdir()
         codes, outputs = _backend_job(out, "exit_queued", 2)
-        assert codes == {0: 0, 1: 0}, (attempt, outputs)
+        assert codes == {0: 0, 1: 0}, f"attempt {attempt}\n" + "\n".join(outputs)
         assert "exiting with hpct ops queued" in outputs[0]
         assert "terminate" not in outputs[0], outputs[0]

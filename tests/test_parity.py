@@ -24,7 +24,7 @@ def res(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity")
     source = (__import__("pathlib").Path(__file__).parent / "parity_worker.py").read_text()
     codes, outputs = run_rank_script(out, source, [str(out)], WORLD, 120, env={"HPCT_CONNECT_TIMEOUT": "30"})
-    assert codes == {r: 0 for r in range(WORLD)}, outputs
+    assert codes == {r: 0 for r in range(WORLD)}, "\n".join(outputs)
     return [json.loads((out / f"res-{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -45,7 +45,7 @@ hd.shutdown_all()
 @pytest.mark.parametrize("world", [2, 3])
 def test_striped_collectives_are_exact_and_identical_on_every_member(tmp_path, world):
     codes, outputs = run_rank_script(tmp_path, RANK, [str(tmp_path)], world, 120)
-    assert codes == {r: 0 for r in range(world)}, outputs
+    assert codes == {r: 0 for r in range(world)}, "\n".join(outputs)
     facts = [json.loads((tmp_path / f"facts-{r}.json").read_text()) for r in range(world)]
     for f in facts:
         assert f["int_sum_exact"] and f["max_exact"], f
