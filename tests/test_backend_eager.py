@@ -8,7 +8,9 @@ messages of one tag arrive in the order sent whatever their sizes (a large one s
 for its receive), a receive from any rank takes a kept message and names its sender, and a
 kept message of the wrong size fails only the receiving rank's op, and a message sent just
 before its sender closed gracefully is still received (stock Gloo's send would have waited
-for that receive).
+for that receive).  A small receive posted before its message owes its ready word (the
+sender does not wait for it) and writes it with its next message; a sender that does wait
+announces itself, and that makes the receiver write what it owes at once.
 """
 
 from __future__ import annotations
@@ -52,23 +54,25 @@ def sends_first():
     return got.tolist()
 case("sends_first", sends_first)
 
-def order(sender):
+def order(sender, late_side):
     # small, large (above the eager limit: it waits for its receive), small; one tag.
     sizes = [3, 1 << 18, 5]
+    if rank == late_side:
+        time.sleep(late)
     if rank == sender:
         works = [dist.isend(torch.full((k,), float(i + 1)), peer) for i, k in enumerate(sizes)]
         for w in works:
             w.wait()
         return "sent"
-    time.sleep(late)
     out = []
     for k in sizes:
         t = torch.zeros(k)
         dist.recv(t, peer)
         out.append([k, float(t.min()), float(t.max())])
     return out
-case("order_0", lambda: order(0))
-case("order_1", lambda: order(1))
+case("order_0", lambda: order(0, 1))
+case("order_1", lambda: order(1, 0))
+case("early_order_0", lambda: order(0, 0))   # the receives are posted first: readies owed
 
 def any_source():
     if rank == 1:
@@ -101,6 +105,26 @@ def late_mismatch():
     dist.all_reduce(t)
     return [first, float(t)]
 case("late_mismatch", late_mismatch)
+
+def early_mismatch():
+    # Rank 1 posts first and expects 2 elements from root 0, which scatters 2**18 to each
+    # rank: more than may come early, so the root waits for the ready rank 1 owes (rank 1
+    # writes nothing else to it in a scatter).  The root's notice must make rank 1 write it
+    # at once: the size is then reported, not the op timeout on both ranks.
+    if rank == 0:
+        time.sleep(late)
+    big = 1 << 18
+    out = torch.zeros(big if rank == 0 else 2)
+    ins = [torch.full((big,), float(10 + j)) for j in range(2)] if rank == 0 else None
+    try:
+        dist.scatter(out, ins, src=0)
+        first = [float(out.min()), float(out.max())]
+    except Exception as err:  # noqa: BLE001
+        first = f"ERR:{type(err).__name__}: {str(err)[:300]}"
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return [first, float(t)]
+case("early_mismatch", early_mismatch)
 
 # The last word: rank 1 sends and closes its group gracefully before rank 0 receives.
 if rank == 1:
@@ -143,10 +167,10 @@ def test_two_small_blocking_sends_that_face_each_other_complete(results):
 
 
 def test_kept_and_waiting_messages_of_one_tag_arrive_in_the_order_sent(results):
-    for sender in (0, 1):
+    for name, sender in (("order_0", 0), ("order_1", 1), ("early_order_0", 0)):
         receiver = 1 - sender
-        assert results[sender][f"order_{sender}"] == "sent"
-        assert results[receiver][f"order_{sender}"] == [[3, 1.0, 1.0], [1 << 18, 2.0, 2.0], [5, 3.0, 3.0]]
+        assert results[sender][name] == "sent"
+        assert results[receiver][name] == [[3, 1.0, 1.0], [1 << 18, 2.0, 2.0], [5, 3.0, 3.0]], name
 
 
 def test_a_receive_from_any_rank_takes_kept_messages_and_names_the_sender(results):
@@ -159,6 +183,15 @@ def test_a_kept_message_of_the_wrong_size_fails_only_the_receiving_rank(results)
     first1, total1 = results[1]["late_mismatch"]
     assert first0 == [10.0, 11.0]
     assert isinstance(first1, str) and "holds 8 bytes, received 4" in first1, first1
+    assert total0 == total1 == 2.0
+
+
+def test_a_waiting_sender_of_more_than_was_asked_gets_the_owed_ready_at_once(results):
+    first0, total0 = results[0]["early_mismatch"]
+    first1, total1 = results[1]["early_mismatch"]
+    assert first0 == [10.0, 10.0]
+    assert isinstance(first1, str) and f"holds 8 bytes, received {4 << 18}" in first1, first1
+    assert results[1]["early_mismatch/s"] < OP_TIMEOUT_S / 2, results[1]
     assert total0 == total1 == 2.0
 
 

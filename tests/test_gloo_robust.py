@@ -143,6 +143,15 @@ hd.init_process_group(timeout=30)
 rank, n = dist.get_rank(), dist.get_world_size()
 # Every rank's connect is complete before one of them fails locally and leaves.
 dist.barrier()
+if scenario == "disagree":
+    # ...and every rank is out of that barrier before one fails on the wire: a rank that
+    # fails tells the others at once, and one still finishing the barrier (its last message
+    # may already be in its socket) would fail there instead of in the all_gather.
+    open(os.path.join(out, f"past-{rank}"), "w").close()
+    end = time.monotonic() + 30
+    while not all(os.path.exists(os.path.join(out, f"past-{r}")) for r in range(n)):
+        assert time.monotonic() < end, "the other ranks did not leave the barrier"
+        time.sleep(0.01)
 if scenario in ("uneven", "disagree"):
     mine = torch.arange(2 + 2 * rank, dtype=torch.float32)
     # uneven: each rank's outputs have every rank's size (a local shape error);
