@@ -88,6 +88,16 @@ def any_source():
     return out
 case("any_source", any_source)
 
+def then_all_reduce(op):
+    # op's result or its error on this rank, then whether the group still works.
+    try:
+        first = op()
+    except Exception as err:  # noqa: BLE001
+        first = f"ERR:{type(err).__name__}: {str(err)[:300]}"
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return [first, float(t)]
+
 def late_mismatch():
     # Rank 1 expects 2 elements from rank 0, which sends it 1, and posts late: the kept
     # message is of the wrong size.  Only rank 1's op fails; the group goes on.
@@ -96,14 +106,10 @@ def late_mismatch():
     out = torch.zeros(3 if rank == 1 else 2)
     splits = [2, 1] if rank == 1 else [1, 1]
     inp = torch.full((2,), float(10 + rank))
-    try:
+    def op():
         dist.all_to_all_single(out, inp, output_split_sizes=splits, input_split_sizes=[1, 1])
-        first = out.tolist()
-    except Exception as err:  # noqa: BLE001
-        first = f"ERR:{type(err).__name__}: {str(err)[:300]}"
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    return [first, float(t)]
+        return out.tolist()
+    return then_all_reduce(op)
 case("late_mismatch", late_mismatch)
 
 def early_mismatch():
@@ -116,14 +122,10 @@ def early_mismatch():
     big = 1 << 18
     out = torch.zeros(big if rank == 0 else 2)
     ins = [torch.full((big,), float(10 + j)) for j in range(2)] if rank == 0 else None
-    try:
+    def op():
         dist.scatter(out, ins, src=0)
-        first = [float(out.min()), float(out.max())]
-    except Exception as err:  # noqa: BLE001
-        first = f"ERR:{type(err).__name__}: {str(err)[:300]}"
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    return [first, float(t)]
+        return [float(out.min()), float(out.max())]
+    return then_all_reduce(op)
 case("early_mismatch", early_mismatch)
 
 # The last word: rank 1 sends and closes its group gracefully before rank 0 receives.
