@@ -443,12 +443,12 @@ def torch_nccl_pin(torch) -> str | None:
 
 def check_nccl_for_hpct(probe: Probe, torch) -> Row:
     """Which libnccl torch loads and which one hpct's CUDA half uses (nccl_lib's rule)."""
-    from .distributed import nccl_lib
+    from .distributed import nccl_find, nccl_lib
     cuda = getattr(getattr(torch, "version", None), "cuda", None) if torch is not None else None
     if probe.nccl_paths is not None:
         torch_lib = probe.nccl_paths[0] if probe.nccl_paths else None
     else:
-        torch_lib = nccl_lib.torch_loaded_libnccl() or next((p for p, _ in find_libnccl(probe)), None)
+        torch_lib = nccl_find.torch_loaded_libnccl() or next((p for p, _ in find_libnccl(probe)), None)
 
     def facts(path):
         if not path:
@@ -471,7 +471,7 @@ def check_nccl_for_hpct(probe: Probe, torch) -> Row:
     elif torch_lib:
         hpct_lib, how = torch_lib, "the one torch loads"
     else:
-        wheels = nccl_lib.wheel_candidates(probe.sys_path)
+        wheels = nccl_find.wheel_candidates(probe.sys_path)
         hpct_lib, how = (wheels[0], "nvidia-nccl wheel") if wheels else (None, "none")
     h = facts(hpct_lib) if hpct_lib != torch_lib else (dict(t) if t else None)
     pin = torch_nccl_pin(torch) if probe.nccl_paths is None else None

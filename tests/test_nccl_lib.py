@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from hpct.config import Config
 from hpct.errors import HpctArgumentError, HpctError, TransportError
-from hpct.distributed import nccl_engine, nccl_lib
+from hpct.distributed import nccl_engine, nccl_find, nccl_lib
 from util import REPO
 
 pytestmark = pytest.mark.unit
@@ -51,7 +51,7 @@ def patched_nccl() -> str:
     given = os.environ.get(nccl_lib.LIBRARY_VAR, "")
     if given:
         return given
-    built = nccl_lib.built_libraries(REPO)
+    built = nccl_find.built_libraries(REPO)
     if not built:
         pytest.skip("no patched libnccl: set HPCT_NCCL_LIBRARY, or build one (python -m hpct.builder "
                     "build nccl) so that third_party/build/nccl-<ver>/install/lib/libnccl.so.2 exists")
@@ -112,8 +112,8 @@ def test_error_codes_become_typed_errors_with_ncclGetErrorString(stock_nccl):
 def test_a_copy_outside_torch_is_loaded_local_and_not_taken_for_torchs(stock_nccl):
     nccl_lib.NcclLibrary(stock_nccl)
     # hpct's own copy never counts as "the libnccl torch loaded" ...
-    assert nccl_lib.torch_loaded_libnccl() is None or \
-        os.path.realpath(nccl_lib.torch_loaded_libnccl()) != os.path.realpath(stock_nccl)
+    assert nccl_find.torch_loaded_libnccl() is None or \
+        os.path.realpath(nccl_find.torch_loaded_libnccl()) != os.path.realpath(stock_nccl)
     # ... and its symbols stay local (RTLD_LOCAL): the process's global scope cannot see them.
     import ctypes
     assert not hasattr(ctypes.CDLL(None), "ncclCommInitRankConfig")
@@ -125,27 +125,27 @@ def test_choose_order(stock_nccl, tmp_path):
     os.symlink(stock_nccl, site / "nvidia" / "nccl" / "lib" / "libnccl.so.2")
     wheel_lib = str(site / "nvidia/nccl/lib/libnccl.so.2")
     # nothing loaded, no variable: an nvidia wheel on sys.path
-    assert nccl_lib.choose({}, loaded="", sys_path=[str(site)]) == (wheel_lib, "nvidia-nccl wheel", False)
+    assert nccl_find.choose({}, loaded="", sys_path=[str(site)]) == (wheel_lib, "nvidia-nccl wheel", False)
     # the variable wins over a wheel
-    assert nccl_lib.choose({"HPCT_NCCL_LIBRARY": "/x/libnccl.so.2"}, loaded="", sys_path=[str(site)]) == \
+    assert nccl_find.choose({"HPCT_NCCL_LIBRARY": "/x/libnccl.so.2"}, loaded="", sys_path=[str(site)]) == \
         ("/x/libnccl.so.2", "HPCT_NCCL_LIBRARY", False)
     # torch's stock copy (no rootless call) loses to the variable, is used without it
-    assert nccl_lib.choose({"HPCT_NCCL_LIBRARY": "/x/libnccl.so.2"}, loaded=stock_nccl)[1] == "HPCT_NCCL_LIBRARY"
-    assert nccl_lib.choose({}, loaded=stock_nccl) == (stock_nccl, "loaded by torch", True)
+    assert nccl_find.choose({"HPCT_NCCL_LIBRARY": "/x/libnccl.so.2"}, loaded=stock_nccl)[1] == "HPCT_NCCL_LIBRARY"
+    assert nccl_find.choose({}, loaded=stock_nccl) == (stock_nccl, "loaded by torch", True)
     with pytest.raises(nccl_lib.NcclLibraryError, match="no libnccl found") as info:
-        nccl_lib.choose({}, loaded="", sys_path=[str(tmp_path / "empty")])
+        nccl_find.choose({}, loaded="", sys_path=[str(tmp_path / "empty")])
     assert "HPCT_NCCL_LIBRARY" in info.value.fix
 
 
 def test_bad_library_variable_paths(tmp_path):
     missing = tmp_path / "nope" / "libnccl.so.2"
     with pytest.raises(nccl_lib.NcclLibraryError) as info:
-        nccl_lib.load({"HPCT_NCCL_LIBRARY": str(missing)})
+        nccl_find.load({"HPCT_NCCL_LIBRARY": str(missing)})
     assert str(info.value).startswith(f"libnccl {missing} (HPCT_NCCL_LIBRARY): no such file")
     junk = tmp_path / "libnccl.so.2"
     junk.write_bytes(b"not an ELF file")
     with pytest.raises(nccl_lib.NcclLibraryError, match=rf"libnccl {junk} \(HPCT_NCCL_LIBRARY\) cannot be loaded"):
-        nccl_lib.load({"HPCT_NCCL_LIBRARY": str(junk)})
+        nccl_find.load({"HPCT_NCCL_LIBRARY": str(junk)})
     libm = glob.glob("/lib/x86_64-linux-gnu/libm.so.6") + glob.glob("/usr/lib64/libm.so.6")
     if libm:   # a real shared library that is not NCCL
         with pytest.raises(nccl_lib.NcclLibraryError, match="is not a usable libnccl: it lacks ncclGetVersion"):
@@ -154,8 +154,8 @@ def test_bad_library_variable_paths(tmp_path):
 
 def test_load_through_the_variable_requires_the_rootless_call(stock_nccl):
     with pytest.raises(nccl_lib.NcclRootlessMissingError, match="this libnccl has no ncclCommInitRankRootless"):
-        nccl_lib.load({"HPCT_NCCL_LIBRARY": stock_nccl})
-    lib = nccl_lib.load({"HPCT_NCCL_LIBRARY": stock_nccl}, require_rootless=False)
+        nccl_find.load({"HPCT_NCCL_LIBRARY": stock_nccl})
+    lib = nccl_find.load({"HPCT_NCCL_LIBRARY": stock_nccl}, require_rootless=False)
     assert lib.how == "HPCT_NCCL_LIBRARY" and lib.version == 22105
 
 
@@ -165,7 +165,12 @@ def test_load_through_the_variable_requires_the_rootless_call(stock_nccl):
                                         (torch.bool, 1), (torch.int32, 2), (torch.int64, 4),
                                         (torch.float8_e4m3fn, 10), (torch.float8_e5m2, 11)])
 def test_dtype_mapping(dtype, code):
-    assert nccl_lib.nccl_dtype(dtype, 22105) == code
+    assert nccl_lib.nccl_dtype(dtype, 22400) == code
+    if dtype.is_floating_point and dtype.itemsize == 1:
+        with pytest.raises(HpctArgumentError, match="needs NCCL 2.24 or newer"):
+            nccl_lib.nccl_dtype(dtype, 22105)       # 2.21.5 has ten types: no float8
+    else:
+        assert nccl_lib.nccl_dtype(dtype, 22105) == code
 
 
 def test_dtype_mapping_errors():
@@ -174,8 +179,9 @@ def test_dtype_mapping_errors():
     assert "view_as_real" in info.value.fix
     with pytest.raises(HpctArgumentError, match="NCCL has no data type for torch.int16"):
         nccl_lib.nccl_dtype(torch.int16)
-    with pytest.raises(HpctArgumentError, match=r"torch.float8_e4m3fn needs NCCL 2.19 or newer \(this libnccl is 2.18.3\)"):
-        nccl_lib.nccl_dtype(torch.float8_e4m3fn, 21803)
+    with pytest.raises(HpctArgumentError, match=r"torch.float8_e4m3fn needs NCCL 2.24 or newer \(this libnccl is 2.23.4\)"):
+        nccl_lib.nccl_dtype(torch.float8_e4m3fn, 22304)
+    assert nccl_lib.nccl_dtype(torch.float8_e5m2, 22400) == 11
 
 
 def test_reduce_op_mapping():

@@ -73,8 +73,9 @@ class HpctProcessGroup(dist.ProcessGroup):
         self.global_ranks = list(global_ranks)
         self.generation = ctx.generation
         self._closed = False
-        self._engines = {"cpu": GlooEngine(ctx, rank=ctx.rank, describe=self._describe,
-                                           thread_name=f"hpct-pg-{group_name}")}
+        self._gloo = GlooEngine(ctx, rank=ctx.rank, describe=self._describe, thread_name=f"hpct-pg-{group_name}")
+        self._all = [self._gloo]                 # every engine, for the lifecycle
+        self._engines = {"cpu": self._gloo}      # the engine that serves each device type
         self.on_shutdown = None          # set by the world registry
         _LIVE.add(self)
 
@@ -113,12 +114,12 @@ class HpctProcessGroup(dist.ProcessGroup):
     @property
     def context(self):
         """The Gloo context of the CPU engine."""
-        return self._engines["cpu"].ctx
+        return self._gloo.ctx
 
     @property
     def failure(self) -> BaseException | None:
         """What failed the group (the first engine's failure), or None."""
-        return next((e.failure for e in self._engines.values() if e.failure is not None), None)
+        return next((e.failure for e in self._all if e.failure is not None), None)
 
     @property
     def options(self):
@@ -130,7 +131,7 @@ class HpctProcessGroup(dist.ProcessGroup):
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
         if not seconds > 0:
             checks.fail("_set_default_timeout", f"invalid timeout {timeout!r}", "pass a positive timedelta")
-        for engine in self._engines.values():
+        for engine in self._all:
             engine.set_timeout(seconds)
 
     def _describe(self, what: str) -> str:
@@ -139,7 +140,7 @@ class HpctProcessGroup(dist.ProcessGroup):
 
     def _engine(self, op: str, tensors, *, one_tensor: bool = False):
         engine = self._engines[checks.device(op, tensors, self._engines)]
-        if one_tensor and engine.device_type != "cpu":
+        if one_tensor and engine is not self._gloo:
             # Several tensors per rank are a Gloo form; ProcessGroupNCCL refuses them too.
             checks.single(op, tensors, f"tensor list on {engine.device_type}")
         return engine
@@ -165,9 +166,11 @@ class HpctProcessGroup(dist.ProcessGroup):
     def shrink(self, ranks_to_exclude, shrink_flags=0, pg_options=None):
         return type(self).shrinker(self, list(ranks_to_exclude), shrink_flags, pg_options)
 
-    def attach(self, engine) -> None:
-        """Serve another device type with ``engine`` (world.py attaches the CUDA engine)."""
-        self._engines[engine.device_type] = engine
+    def attach(self, engine, device_type: str | None = None) -> None:
+        """Serve ``device_type`` (default: the engine's own) with ``engine``; world.py attaches the
+        CUDA engine.  The group's lifecycle (abort, shutdown) covers every engine attached."""
+        self._all.append(engine)
+        self._engines[device_type or engine.device_type] = engine
 
     # torch's _coalescing_manager(device=...) brackets ops this way; an engine that batches
     # (NCCL: one group) takes the bracket, any other device keeps torch's own behaviour.
@@ -186,7 +189,7 @@ class HpctProcessGroup(dist.ProcessGroup):
     # ---- lifecycle ------------------------------------------------------------------------
     def abort(self, reason: str = "aborted by the application") -> None:
         """Wake every op in flight and fail every queued op, on every engine; bounded; any thread."""
-        for engine in self._engines.values():
+        for engine in self._all:
             engine.abort(reason)
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -198,7 +201,7 @@ class HpctProcessGroup(dist.ProcessGroup):
         if self._closed:
             return
         self._closed = True
-        for engine in self._engines.values():
+        for engine in self._all:
             engine.shutdown(timeout)
         _LIVE.discard(self)
         if self.on_shutdown is not None:

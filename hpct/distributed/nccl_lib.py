@@ -1,13 +1,6 @@
 """NCCL from Python through ctypes: the CUDA half of the ``hpct`` backend links neither torch nor CUDA.
 
-Which libnccl (``load()``):
-1. the libnccl that torch already loaded (read from /proc/self/maps), when it exports
-   ``ncclCommInitRankRootless`` (hpct's drop-in nvidia-nccl wheel replaced NVIDIA's);
-2. else ``HPCT_NCCL_LIBRARY`` (a path to libnccl.so.2, e.g. a tree built by
-   ``hpct-build build nccl``: third_party/build/nccl-<ver>/install/lib/libnccl.so.2);
-3. else an nvidia-nccl wheel's library found on sys.path (nvidia/nccl/lib/libnccl.so.2).
-
-A library other than torch's is opened with ``RTLD_LOCAL | RTLD_DEEPBIND``: its symbols never
+Which libnccl is used is nccl_find.py's (``load()``).  A library other than torch's is opened with ``RTLD_LOCAL | RTLD_DEEPBIND``: its symbols never
 become global (torch keeps calling its own NCCL) and it binds its own exported functions to
 itself even when torch's copy sits in the global scope.  ``dlmopen(LM_ID_NEWLM)`` is NOT used:
 a new link-map namespace would load a second libcuda (its own contexts and streams), and the
@@ -24,13 +17,9 @@ communicator is known, ncclGetLastError.  A library that cannot be used raises
 from __future__ import annotations
 
 import ctypes
-import glob
 import os
-import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 from ..config import NCCL_LIBRARY_VAR
 from ..errors import HpctArgumentError, TransportError
@@ -41,6 +30,8 @@ ROOTLESS_ID_SYMBOL = "ncclRootlessUniqueId"
 REVOKE_SYMBOL = "ncclCommRevoke"
 ROOTLESS_FIX = ("install hpct's nvidia-nccl wheel (hpct-build wheel nccl) or set HPCT_NCCL_LIBRARY "
                 "to a patched libnccl.so.2")
+
+_OURS: set[str] = set()     # realpaths hpct opened itself (not torch's); nccl_find.py reads it
 
 RTLD_NOW = 0x2
 RTLD_LOCAL = 0x0
@@ -391,94 +382,12 @@ class NcclLibrary:
         return self.call("ncclRecv", buf, count, dtype, peer, comm, stream)
 
 
-# ---------------------------------------------------------------------------- finding it
-_OURS: set[str] = set()     # realpaths hpct opened itself (not torch's)
-
-
-def torch_loaded_libnccl(maps: str = "/proc/self/maps") -> str | None:
-    """The libnccl this process has mapped already (torch's, when a CUDA torch is imported);
-    a library hpct opened itself does not count."""
-    try:
-        text = Path(maps).read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        parts = line.split(None, 5)
-        if len(parts) == 6 and "/libnccl.so" in parts[5]:
-            path = parts[5].strip().removesuffix(" (deleted)")
-            if os.path.realpath(path) not in _OURS:
-                return path
-    return None
-
-
-def wheel_candidates(sys_path=None) -> list[str]:
-    out = []
-    for entry in (sys.path if sys_path is None else sys_path):
-        for name in ("libnccl.so.2", "libnccl.so"):
-            p = Path(entry or ".") / "nvidia" / "nccl" / "lib" / name
-            if p.is_file() and str(p) not in out:
-                out.append(str(p))
-                break
-    return out
-
-
-def exports(path: str, symbol: str) -> bool:
-    """Whether an already-mapped library exports ``symbol`` (dlopen of a mapped file adds nothing)."""
-    try:
-        lib = ctypes.CDLL(path, mode=RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD)
-    except OSError:
-        return False
-    return hasattr(lib, symbol)
-
-
-def choose(env: Mapping[str, str] | None = None, *, loaded: str | None = None,
-           sys_path=None) -> tuple[str, str, bool]:
-    """(path, how, shared_with_torch) of the libnccl hpct should use; see the module doc."""
-    env = os.environ if env is None else env
-    loaded = torch_loaded_libnccl() if loaded is None else (loaded or None)
-    if loaded and exports(loaded, ROOTLESS_SYMBOL):
-        return loaded, "loaded by torch", True
-    explicit = env.get(LIBRARY_VAR, "")
-    if explicit:
-        return explicit, LIBRARY_VAR, bool(loaded) and os.path.realpath(explicit) == os.path.realpath(loaded)
-    if loaded:
-        return loaded, "loaded by torch", True
-    wheels = wheel_candidates(sys_path)
-    if wheels:
-        return wheels[0], "nvidia-nccl wheel", False
-    raise NcclLibraryError("no libnccl found: torch has none loaded, HPCT_NCCL_LIBRARY is unset and no "
-                           "nvidia-nccl wheel is on sys.path",
-                           fix=f"install hpct's nvidia-nccl wheel (hpct-build wheel nccl) or set {LIBRARY_VAR}")
-
-
-_cache: dict[str, NcclLibrary] = {}
-_cache_lock = threading.Lock()
-
-
-def load(env: Mapping[str, str] | None = None, *, require_rootless: bool = True) -> NcclLibrary:
-    """The libnccl hpct uses (opened once per path per process)."""
-    path, how, shared = choose(env)
-    with _cache_lock:
-        lib = _cache.get(path)
-        if lib is None:
-            lib = _cache[path] = NcclLibrary(path, how=how, shared_with_torch=shared)
-    if require_rootless:
-        lib.require_rootless()
-    return lib
-
-
-def built_libraries(root: str | os.PathLike) -> list[str]:
-    """libnccl.so.2 files that ``hpct-build build nccl`` left under third_party/build."""
-    return sorted(glob.glob(os.path.join(str(root), "third_party", "build", "nccl-*", "install", "lib",
-                                         "libnccl.so.2")))
-
-
 # ---------------------------------------------------------------------------- torch mapping
-# ncclDataType_t; float8 needs NCCL >= 2.19 (checked at mapping time).
+# ncclDataType_t; float8 needs NCCL >= 2.24 (checked at mapping time; 2.21.5 has ten types).
 _DTYPES = {"int8": 0, "uint8": 1, "bool": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5,
            "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9,
            "float8_e4m3fn": 10, "float8_e5m2": 11}
-FLOAT8_MIN_VERSION = 21900
+FLOAT8_MIN_VERSION = 22400
 
 
 def nccl_dtype(dtype, version: int = 0) -> int:
@@ -490,7 +399,7 @@ def nccl_dtype(dtype, version: int = 0) -> int:
             "use a dtype NCCL supports: " + ", ".join(sorted(set(_DTYPES)))
         raise HpctArgumentError(f"NCCL has no data type for {dtype}", fix=hint)
     if code >= 10 and version and version < FLOAT8_MIN_VERSION:
-        raise HpctArgumentError(f"{dtype} needs NCCL 2.19 or newer (this libnccl is {version_text(version)})",
+        raise HpctArgumentError(f"{dtype} needs NCCL 2.24 or newer (this libnccl is {version_text(version)})",
                             fix="upgrade libnccl, or cast to bfloat16")
     return code
 

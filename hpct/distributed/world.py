@@ -120,8 +120,8 @@ def _create(dist_opts, backend_options=None):
     is_world = index == 0 and name == "0" and not dist.is_initialized()
     key = slots.check_key(name, index, live_groups(), is_world, forced_key)
     # Only the NCCL block still holds a port per live group (a communicator's own listener).
-    slot = slots.choose(name, index, global_ranks, group_rank, live_groups(), cfg) \
-        if _serves_cuda() else None
+    engines = device_engines()
+    slot = slots.choose(name, index, global_ranks, group_rank, live_groups(), cfg) if engines else None
     try:
         peers = [(host_of(cfg.hosts, q, p), shared_port(cfg.gloo_port_base, q % p, p))
                  for q in map(plan_rank, global_ranks)]
@@ -180,13 +180,12 @@ def _create(dist_opts, backend_options=None):
     pg = HpctProcessGroup(ctx, group_name=name, group_index=index, global_ranks=global_ranks)
     pg.slot = slot
     pg.group_key = key
-    if _serves_cuda():
+    for device_type, factory in engines:
         # Nothing touches the GPU or opens a socket here: the communicator forms rootlessly at
-        # the group's first CUDA op, on the same slot in the NCCL block.
-        from .nccl_engine import engine_for_group
-        pg.attach(engine_for_group(cfg, name=name, index=index, slot=slot, group_rank=group_rank,
-                                   global_ranks=global_ranks, generation=gen, op_timeout=timeout,
-                                   places=[plan_rank(r) for r in global_ranks]))
+        # the group's first CUDA op, on the group's slot in the NCCL block.
+        pg.attach(factory(cfg, name=name, index=index, slot=slot, group_rank=group_rank,
+                          global_ranks=global_ranks, generation=gen, op_timeout=timeout,
+                          places=[plan_rank(r) for r in global_ranks]), device_type)
     pg.on_shutdown = _forget
     with _LOCK:
         _state.groups.append(pg)
@@ -208,6 +207,23 @@ def _forget(pg: HpctProcessGroup) -> None:
 def _serves_cuda() -> bool:
     """Whether groups get a CUDA engine: torch was built with CUDA and sees a device."""
     return torch.cuda.is_available()
+
+
+# The engines a group gets besides Gloo's, as [(device type served, factory)], when not None.
+# tests/nccl_sim sets it to route CPU tensors to the NCCL engine over a simulated library and
+# CUDA runtime (a test seam: nothing in hpct sets it).
+ENGINES_OVERRIDE: list | None = None
+
+
+def device_engines() -> list:
+    """[(device type, engine factory)] for a new group: the NCCL engine for CUDA tensors when
+    torch sees a GPU (the factory's keywords are engine_for_group's)."""
+    if ENGINES_OVERRIDE is not None:
+        return ENGINES_OVERRIDE
+    if not _serves_cuda():
+        return []
+    from .nccl_engine import engine_for_group
+    return [("cuda", engine_for_group)]
 
 
 def register() -> None:

@@ -1,0 +1,112 @@
+"""The two threads of an NCCL engine: the watchdog and the completer.
+
+The watchdog turns what NCCL cannot report by itself into a failed group: an op past its
+timeout, an asynchronous error of the communicator (a lost peer), a batch of sends and
+receives that nobody flushed.  The completer settles each launched op's future once the
+op's GPU work has ended, in launch order, so that DDP's backward sees a lost peer's error
+before the optimizer steps on gradients that were never fully reduced; until then it holds
+the op, and with it every tensor the kernel may still touch.
+
+Neither thread touches the communicator except through ``Communicator`` (nccl_comm.py), and
+neither holds the engine's lock across a wait.  Work launched into a CUDA graph capture is
+never queued here: querying or waiting for its event would break the capture.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from . import nccl_lib
+from .nccl_comm import ENDED
+from .nccl_work import NcclGroupError, NcclOpTimeoutError
+
+WATCHDOG_PERIOD_S = 0.05
+P2P_FLUSH_S = 0.2
+
+
+class Watchers:
+    """Starts, feeds and stops the watchdog and the completer of one engine."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.stop = threading.Event()
+        self._queue: list = []                 # launched works whose futures are not settled yet
+        self._cv = threading.Condition()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        if self._threads:
+            return
+        name = self.engine.group_name
+        for target, what in ((self._watch, "watchdog"), (self._complete_in_order, "completer")):
+            t = threading.Thread(target=target, daemon=True, name=f"hpct-nccl-{what}-{name}")
+            t.start()
+            self._threads.append(t)
+
+    def launched(self, works) -> None:
+        with self._cv:
+            self._queue.extend(works)
+            self._cv.notify()
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
+
+    def join(self, timeout: float) -> None:
+        self.stop.set()
+        self.wake()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout)
+
+    # ---- the completer ------------------------------------------------------------------------
+    def _complete_in_order(self) -> None:
+        runtime = self.engine.runtime
+        while True:
+            with self._cv:
+                while not self._queue:
+                    if self.stop.is_set():
+                        return
+                    self._cv.wait(WATCHDOG_PERIOD_S)
+                w = self._queue.pop(0)
+            # Blocks with the GIL released; the watchdog's abort ends a stuck kernel.  A failed
+            # op is waited for too: its kernel may use its tensors until the abort ended it,
+            # and this reference is what keeps them.
+            runtime.host_wait(w._event)
+            w._finish()
+
+    # ---- the watchdog -------------------------------------------------------------------------
+    def _watch(self) -> None:
+        e = self.engine
+        while not self.stop.wait(WATCHDOG_PERIOD_S):
+            if e.failure is not None:
+                return
+            try:
+                if self._tick(e):
+                    return
+            except Exception as err:   # noqa: BLE001 -- the watchdog must fail the group, not die
+                e._fail(e._err(NcclGroupError, "watchdog", f"{type(err).__name__}: {err}"))
+                return
+
+    def _tick(self, e) -> bool:
+        """One look at the engine; True when the watchdog is done (the group failed or ended)."""
+        if e._stale_batch(P2P_FLUSH_S):
+            e._flush(blocking=False)        # never waits behind a launch in progress
+        pending, comm = e._pending()
+        now = time.monotonic()
+        for w in pending:
+            if w.deadline is not None and now > w.deadline and not w._poll():
+                e._fail(e._err(NcclOpTimeoutError, w.what,
+                               f"did not complete within the op timeout ({e.op_timeout:g} s); "
+                               "the communicator is aborted", peer=w.peer))
+                return True
+        if comm is None:
+            return False
+        state = comm.poll()
+        if state == ENDED:
+            return True
+        if state not in (nccl_lib.SUCCESS, nccl_lib.IN_PROGRESS):
+            e._fail(e._err(NcclGroupError, "op", str(e.library.error(state, "asynchronous error"))))
+            return True
+        return False

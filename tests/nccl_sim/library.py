@@ -1,0 +1,267 @@
+"""The simulated NCCL library: the methods of hpct.distributed.nccl_lib.NcclLibrary the engine calls.
+
+Semantics (NCCL's, as documented and as 2.30.7's sources behave):
+- a communicator is non-blocking: ncclCommInitRankRootless answers ncclInProgress and forms
+  the ring (bootstrap.py) and the data context on a thread; ncclCommGetAsyncError answers
+  ncclInProgress until then, ncclSuccess after, or the error;
+- ncclGroupStart/End are per thread; ncclGroupEnd answers ncclInProgress and the group's
+  launch is "taken" after ``launch_polls`` polls of the comm's async state (or never, with
+  the fault ``stuck_launch``); its kernel then runs on the stream (kernels.py);
+- a peer that vanishes: the kernel's transfer fails, the comm's async state becomes
+  ncclRemoteError, and the kernel hangs (as an NCCL kernel spins) until ncclCommAbort;
+- ncclCommAbort from any thread: every later call on the comm is a breach; a hung kernel
+  ends, the data context is aborted; ncclCommDestroy of an idle comm likewise.
+
+Rules enforced (breach: see __init__.py): one call at a time on a comm (``jitter`` holds each
+call open a little so that a race shows), no call after abort or destroy, no abort after a
+revoke that left a group job dangling, no group left open or nested on a thread (an exception
+between ncclGroupStart and ncclGroupEnd), no launch before the init or the previous launch
+settled.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+
+from hpct.distributed import nccl_lib
+
+from . import breach
+from .bootstrap import RingError, ring_addresses, split_addr
+from .kernels import Kernel
+from .runtime import STREAMS
+
+SUCCESS, IN_PROGRESS = nccl_lib.SUCCESS, nccl_lib.IN_PROGRESS
+SYSTEM_ERROR, INVALID_USAGE, REMOTE_ERROR = 2, 5, 6
+_handles = itertools.count(0x5100)
+
+
+class SimComm:
+    def __init__(self, lib, rank: int, nranks: int, spec):
+        self.lib, self.rank, self.nranks, self.spec = lib, rank, nranks, spec
+        self.handle = next(_handles)
+        self.state = IN_PROGRESS          # the async result
+        self.last_error = ""
+        self.ctx = None                   # the data context (hpct's storeless Gloo)
+        self.ended: str | None = None     # "aborted" / "destroyed"
+        self.aborted = threading.Event()
+        self.in_call: str | None = None
+        self.job_polls: int | None = None    # polls left before the linked group job is taken
+        self.dangling_job = False
+        self.kernels: list[Kernel] = []      # launched, not finished
+        self.calls: list[tuple[str, str]] = []   # (thread, call) log
+        self.groups: list[list[str]] = []        # each launched group's calls (tests read it)
+
+    def fail(self, code: int, why: str) -> None:
+        if self.state in (SUCCESS, IN_PROGRESS):
+            self.state, self.last_error = code, why
+
+
+class SimNccl:
+    """Faults: ``launch_polls`` (polls before a launch is taken), ``stuck_launch`` (a launch is
+    never taken), ``hang_op`` (kernels never complete), ``init_delay`` (seconds the init takes
+    after the ring), ``jitter`` (seconds a call is held open, at most)."""
+
+    path, how, shared_with_torch = "simulated", "tests/nccl_sim", False
+    version = 23007
+    version_text = "2.30.7 (simulated)"
+    has_rootless = has_revoke = True
+
+    def __init__(self, *, launch_polls: int = 2, stuck_launch: bool = False, hang_op: bool = False,
+                 init_delay: float = 0.0, jitter: float = 0.0):
+        self.launch_polls, self.stuck_launch, self.hang_op = launch_polls, stuck_launch, hang_op
+        self.init_delay, self.jitter = init_delay, jitter
+        self.comms: dict[int, SimComm] = {}
+        self.on_abort: list = []             # tests: fn(comm) run inside ncclCommAbort
+        self._group = threading.local()
+        self._lock = threading.Lock()
+
+    # ---- the rules ---------------------------------------------------------------------------
+    def _enter(self, handle, call: str, *, abort: bool = False) -> SimComm:
+        comm = self.comms.get(handle)
+        if comm is None:
+            raise breach(f"{call} on an unknown communicator handle {handle!r}")
+        with self._lock:
+            comm.calls.append((threading.current_thread().name, call))
+            if comm.ended:
+                raise breach(f"{call} on a communicator after {comm.ended} (rank {comm.rank}): "
+                             "a use after free")
+            if comm.in_call is not None and not abort:
+                raise breach(f"{call} on rank {comm.rank}'s communicator while another thread is inside "
+                             f"{comm.in_call}: every call on a comm must hold its lock")
+            if not abort:
+                comm.in_call = call
+        if self.jitter and not abort:
+            time.sleep(random.uniform(0, self.jitter))
+        return comm
+
+    def _leave(self, comm: SimComm) -> None:
+        comm.in_call = None
+
+    # ---- the library's facts and errors -------------------------------------------------------
+    def require_rootless(self) -> None:
+        pass
+
+    def error_string(self, code: int) -> str:
+        return {SYSTEM_ERROR: "unhandled system error", INVALID_USAGE: "invalid usage",
+                REMOTE_ERROR: "remote process exited or there was a network error"}.get(code, f"error {code}")
+
+    def error(self, code: int, what: str, comm=None) -> nccl_lib.NcclError:
+        cls = nccl_lib.RESULT_ERRORS.get(code, nccl_lib.NcclError)
+        c = self.comms.get(comm) if comm is not None else None
+        last = f"; last error: {c.last_error}" if c is not None and c.last_error else ""
+        return cls(f"{what}: NCCL {self.error_string(code)} ({cls.result_name}, {code}){last}", code=code)
+
+    def check(self, code: int, what: str, comm=None, *, allow_in_progress: bool = False) -> int:
+        if code == SUCCESS or (allow_in_progress and code == IN_PROGRESS):
+            return code
+        raise self.error(code, what, comm)
+
+    # ---- communicators ----------------------------------------------------------------------------
+    def comm_init_rootless(self, nranks: int, rank: int, spec, *, blocking: bool = False):
+        comm = SimComm(self, rank, nranks, spec)
+        self.comms[comm.handle] = comm
+        threading.Thread(target=self._form, args=(comm,), daemon=True, name=f"sim-init-{rank}").start()
+        return comm.handle, IN_PROGRESS
+
+    def _form(self, comm: SimComm) -> None:
+        from hpct import _gloo
+        spec = comm.spec
+        deadline = time.monotonic() + spec.connect_timeout_ms / 1000.0
+        try:
+            book = ring_addresses(comm.rank, comm.nranks, spec.listen_addr, spec.next_addr,
+                                  job_key=spec.job_key, generation=spec.generation, deadline=deadline,
+                                  retry_s=spec.retry_delay_ms / 1000.0, aborted=comm.aborted.is_set)
+            ctx = _gloo.Context(comm.rank, comm.nranks, spec.generation, [split_addr(a) for a in book],
+                                timeout=3600.0, connect_timeout=max(0.5, deadline - time.monotonic() + 5.0),
+                                connect=False, lazy=False, group_key=spec.group_index % 1024)
+            comm.ctx = ctx
+            if comm.aborted.is_set():
+                raise RingError("aborted")
+            ctx.connect()
+            if self.init_delay:
+                comm.aborted.wait(self.init_delay)   # transport set-up that takes long
+        except Exception as err:   # noqa: BLE001 -- becomes the comm's async error
+            comm.fail(SYSTEM_ERROR, f"rootless init: {type(err).__name__}: {err}")
+            return
+        if comm.state == IN_PROGRESS and not comm.aborted.is_set():
+            comm.state = SUCCESS
+
+    def async_error(self, handle) -> int:
+        comm = self._enter(handle, "ncclCommGetAsyncError")
+        try:
+            if comm.state == SUCCESS and comm.job_polls is not None:
+                if comm.job_polls > 0 or self.stuck_launch:
+                    comm.job_polls -= 1
+                    return IN_PROGRESS
+                comm.job_polls = None         # the group job is complete (and freed, as 2.30.7 does)
+            return comm.state
+        finally:
+            self._leave(comm)
+
+    def revoke(self, handle) -> int:
+        comm = self._enter(handle, "ncclCommRevoke")
+        try:
+            if comm.job_polls is not None:
+                comm.dangling_job = True      # ncclGroupJobAbort freed it; comm->groupJob still points at it
+            return SUCCESS
+        finally:
+            self._leave(comm)
+
+    def abort(self, handle) -> int:
+        comm = self._enter(handle, "ncclCommAbort", abort=True)
+        if comm.dangling_job:
+            raise breach("ncclCommAbort after ncclCommRevoke left the comm's group job dangling: "
+                         "the abort walks freed memory (abort alone, as ProcessGroupNCCL does)")
+        for fn in list(self.on_abort):
+            fn(comm)
+        comm.ended = "aborted"
+        comm.aborted.set()
+        comm.fail(SYSTEM_ERROR, "aborted")
+        if comm.ctx is not None:
+            comm.ctx.abort("ncclCommAbort")
+        return SUCCESS
+
+    def destroy(self, handle) -> int:
+        comm = self._enter(handle, "ncclCommDestroy")
+        comm.ended = "destroyed"
+        self._leave(comm)
+        for k in list(comm.kernels):
+            k.finished.wait(30.0)
+        if comm.ctx is not None:
+            comm.ctx.close()
+        return SUCCESS
+
+    # ---- groups and ops -------------------------------------------------------------------------
+    def _open(self) -> list:
+        ops = getattr(self._group, "ops", None)
+        if ops is None:
+            raise breach("an NCCL op outside ncclGroupStart/ncclGroupEnd (the engine always groups)")
+        return ops
+
+    def group_start(self) -> None:
+        if getattr(self._group, "ops", None) is not None:
+            raise breach("nested ncclGroupStart on one thread (the engine never nests)")
+        self._group.ops = []
+
+    def group_end(self) -> int:
+        ops = getattr(self._group, "ops", None)
+        if ops is None:
+            raise breach("ncclGroupEnd without ncclGroupStart")
+        self._group.ops = None
+        by_comm: dict[int, list] = {}
+        for op in ops:
+            by_comm.setdefault(op[1], []).append(op)
+        result = IN_PROGRESS if by_comm else SUCCESS
+        for handle, comm_ops in by_comm.items():
+            comm = self._enter(handle, "ncclGroupEnd")
+            try:
+                if comm.state == IN_PROGRESS:
+                    raise breach(f"a group launched on rank {comm.rank}'s comm before its init settled")
+                if comm.job_polls is not None:
+                    raise breach(f"a group launched on rank {comm.rank}'s comm while its previous group job "
+                                 "is still in progress (settle each launch first)")
+                if comm.state != SUCCESS:        # a failed comm launches nothing and says why
+                    result = comm.state
+                    continue
+                streams = {op[2] for op in comm_ops}
+                if len(streams) != 1:
+                    raise breach(f"one group puts rank {comm.rank}'s ops on {len(streams)} streams")
+                comm.groups.append([op[0] for op in comm_ops])
+                kernel = Kernel(comm, [(op[0], op[3]) for op in comm_ops], hang=self.hang_op)
+                comm.kernels.append(kernel)
+                STREAMS[streams.pop()].put(kernel.run)
+                comm.job_polls = self.launch_polls
+            finally:
+                self._leave(comm)
+        return self.check(result, "ncclGroupEnd", allow_in_progress=True)
+
+    def _op(self, name: str, args: tuple, comm, stream) -> int:
+        c = self.comms.get(comm)
+        if c is not None and c.ended:
+            raise breach(f"{name} on a communicator after {c.ended}: a use after free")
+        self._open().append((name, comm, stream, args))
+        return SUCCESS
+
+    def all_reduce(self, send, recv, count, dtype, op, comm, stream):
+        return self._op("all_reduce", (send, recv, count, dtype, op), comm, stream)
+
+    def broadcast(self, send, recv, count, dtype, root, comm, stream):
+        return self._op("broadcast", (send, recv, count, dtype, root), comm, stream)
+
+    def reduce(self, send, recv, count, dtype, op, root, comm, stream):
+        return self._op("reduce", (send, recv, count, dtype, op, root), comm, stream)
+
+    def all_gather(self, send, recv, count, dtype, comm, stream):
+        return self._op("all_gather", (send, recv, count, dtype), comm, stream)
+
+    def reduce_scatter(self, send, recv, count, dtype, op, comm, stream):
+        return self._op("reduce_scatter", (send, recv, count, dtype, op), comm, stream)
+
+    def send(self, buf, count, dtype, peer, comm, stream):
+        return self._op("send", (buf, count, dtype, peer), comm, stream)
+
+    def recv(self, buf, count, dtype, peer, comm, stream):
+        return self._op("recv", (buf, count, dtype, peer), comm, stream)

@@ -1,0 +1,381 @@
+"""The NCCL engine's own code over the simulated NCCL and CUDA runtime (tests/nccl_sim), ranks as threads.
+
+Every op form against its definition, and one test per defect that a reading of the engine
+against NCCL 2.30.7 and ProcessGroupNCCL found (issue 27; the number is the issue's).  What
+these prove is the engine's logic; NCCL on a GPU is tests/gpu's (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+from hpct.errors import CollectiveError, HpctArgumentError
+from hpct.distributed import nccl_comm, nccl_lib, nccl_watchdog
+from hpct.distributed.nccl_work import NcclAbortedError, NcclGroupError
+from nccl_sim.library import REMOTE_ERROR, SimNccl
+from nccl_sim.runtime import capture, drain
+from sim_ranks import Ranks, no_breach  # noqa: F401 -- a fixture
+
+pytestmark = [pytest.mark.nccl_sim]
+R = dist.ReduceOp
+
+
+def wait_done(fut, seconds: float = 10.0):
+    end = time.monotonic() + seconds
+    while not fut.done():
+        if time.monotonic() > end:
+            pytest.fail(f"a future was not completed within {seconds:g} s")
+        time.sleep(0.002)
+    return fut
+
+
+def strided(*shape, fill=0.0):
+    """A non-contiguous tensor of ``shape`` (a transposed view), filled with ``fill``."""
+    t = torch.empty(tuple(reversed(shape))).t() if len(shape) == 2 else torch.empty(shape[0] * 2)[::2]
+    t.fill_(fill)
+    assert not t.is_contiguous()
+    return t
+
+
+@pytest.fixture
+def ranks3(no_breach):
+    r = Ranks(3)
+    yield r
+    r.close()
+
+
+# ---------------------------------------------------------------- every op, exact
+def test_collectives_are_exact_with_non_contiguous_outputs(ranks3):
+    """Defect 7: a staged (non-contiguous) output is copied back by the launch itself."""
+    n = 3
+
+    def body(r, e):
+        x = strided(2, 3, fill=r + 1.0)
+        e.allreduce([x]).wait()
+        assert torch.equal(x, torch.full((2, 3), 6.0))
+        out = strided(2, 3)
+        e.all_gather_single(out, torch.full((2,), float(r))).wait()
+        assert torch.equal(out, torch.tensor([0.0, 0, 1, 1, 2, 2]).reshape(2, 3))
+        rs = strided(2, 2)
+        e.reduce_scatter_single(rs, torch.arange(12.0) + r, R.SUM).wait()
+        assert torch.equal(rs, (3 * torch.arange(12.0)[4 * r:4 * r + 4] + 3).reshape(2, 2))
+        a2a = strided(3, 2)
+        e.all_to_all_single(a2a, torch.arange(6.0).reshape(3, 2) + 10 * r, [], []).wait()
+        assert torch.equal(a2a, torch.tensor([[10.0 * p + 2 * r, 10.0 * p + 2 * r + 1] for p in range(n)]))
+        b = strided(4, fill=float(r))
+        e.broadcast([b], 2).wait()
+        assert torch.equal(b, torch.full((4,), 2.0))
+        red = strided(4, fill=r + 1.0)
+        e.reduce(red, 0, R.PRODUCT).wait()
+        assert torch.equal(red, torch.full((4,), 6.0 if r == 0 else r + 1.0))
+        return True
+    assert ranks3.run(body) == [True] * n
+
+
+def test_list_forms_coalesced_forms_and_their_futures_complete(ranks3):
+    """Defect 8: the future of a Work made of several NCCL calls (coalesced ops, alltoall,
+    gather, scatter) is completed like any other."""
+    n = 3
+
+    def body(r, e):
+        outs = [torch.empty(2) for _ in range(n)]
+        f = e.allgather([outs], [torch.full((2,), float(r))]).get_future()
+        assert [o.tolist() for o in wait_done(f).wait()] == [[float(p)] * 2 for p in range(n)]
+        a, c = torch.full((3,), r + 1.0), strided(2, 2, fill=10.0 * r)
+        f = e.allreduce_coalesced([a, c], R.SUM).get_future()
+        wait_done(f).wait()
+        assert a.tolist() == [6.0] * 3 and torch.equal(c, torch.full((2, 2), 30.0))
+        lists = [[torch.empty(1), torch.empty(2)] for _ in range(n)]
+        wait_done(e.allgather_coalesced(lists, [torch.full((1,), float(r)), torch.full((2,), 5.0 + r)])
+                  .get_future())
+        assert [[x.tolist() for x in row] for row in lists] == [[[float(p)], [5.0 + p] * 2] for p in range(n)]
+        outs = [torch.empty(2) for _ in range(n)]
+        wait_done(e.alltoall(outs, [torch.full((2,), 10.0 * r + p) for p in range(n)]).get_future())
+        assert [o.tolist() for o in outs] == [[10.0 * p + r] * 2 for p in range(n)]
+        got = [torch.empty(2) for _ in range(n)] if r == 1 else []
+        wait_done(e.gather(got, torch.full((2,), r * 3.0), 1).get_future())
+        assert [g.tolist() for g in got] == ([[3.0 * p] * 2 for p in range(n)] if r == 1 else [])
+        mine = torch.empty(3)
+        wait_done(e.scatter(mine, [torch.full((3,), 7.0 + p) for p in range(n)] if r == 0 else [], 0)
+                  .get_future())
+        assert mine.tolist() == [7.0 + r] * 3
+        rs = torch.empty(2)
+        wait_done(e.reduce_scatter(rs, [torch.full((2,), 100.0 * p + r) for p in range(n)], R.MAX)
+                  .get_future())
+        assert rs.tolist() == [100.0 * r + 2] * 2
+        ag = [torch.empty(2 * n), torch.empty(n)]
+        wait_done(e.all_gather_single_coalesced(ag, [torch.full((2,), float(r)), torch.full((1,), -r - 1.0)])
+                  .get_future())
+        assert ag[1].tolist() == [-1.0, -2.0, -3.0]
+        o2 = [torch.empty(1), torch.empty(2)]
+        wait_done(e.reduce_scatter_single_coalesced(o2, [torch.ones(n), torch.ones(2 * n)], R.SUM).get_future())
+        assert o2[0].tolist() == [3.0] and o2[1].tolist() == [3.0, 3.0]
+        return True
+    assert ranks3.run(body) == [True] * n
+
+
+def test_dtypes_ops_uneven_all_to_all_send_recv_and_barrier(ranks3):
+    n = 3
+
+    def body(r, e):
+        for dtype, op, want in ((torch.float16, R.SUM, 6.0), (torch.bfloat16, R.MAX, 3.0),
+                                (torch.int64, R.MIN, 1), (torch.float32, R.AVG, 2.0), (torch.uint8, R.SUM, 6)):
+            t = torch.full((5,), r + 1, dtype=dtype)
+            e.allreduce([t], op).wait()
+            assert torch.equal(t, torch.full((5,), want, dtype=dtype)), (dtype, op, t)
+        flags = torch.tensor([r == 1, False])
+        e.allreduce([flags], R.SUM).wait()                 # bool sum is "any"
+        assert flags.tolist() == [True, False]
+        z = torch.full((3,), complex(r, -r), dtype=torch.complex64)
+        e.allreduce([z], R.SUM).wait()
+        assert torch.equal(z, torch.full((3,), complex(3, -3), dtype=torch.complex64))
+        # uneven all_to_all: rank r sends (r + p) % 2 + 1 rows of 2 to rank p
+        send_rows = [(r + p) % 2 + 1 for p in range(n)]
+        inp = torch.cat([torch.full((k, 2), 100.0 * r + p) for p, k in enumerate(send_rows)])
+        out = torch.empty(sum(send_rows), 2)
+        e.all_to_all_single(out, inp, send_rows, send_rows).wait()
+        assert torch.equal(out, torch.cat([torch.full((k, 2), 100.0 * p + r) for p, k in enumerate(send_rows)]))
+        s, got = torch.full((4,), float(r)), torch.empty(4)
+        works = [e.send([s], (r + 1) % n), e.recv([got], (r - 1) % n)]
+        for w in works:
+            w.wait()
+        assert got.tolist() == [float((r - 1) % n)] * 4
+        e.barrier().wait()
+        return True
+    assert ranks3.run(body) == [True] * n
+
+
+# ---------------------------------------------------------------- the defects
+def test_a_failed_ops_future_is_an_error_to_cpp_consumers(no_breach):
+    """Defect 1: DDP's reducer reads a Work's future in C++; a failed op's future must hold an
+    error there, not the exception object as its value."""
+    ranks = Ranks(2, lib=SimNccl(hang_op=True))
+
+    def body(r, e):
+        work = e.allreduce([torch.ones(4)])
+        fut = work.get_future()
+        e.abort("the test aborts it")
+        cpp = wait_done(_create_work_from_future(fut).get_future())   # a wrapper without Python's unwrap
+        with pytest.raises(RuntimeError, match="NcclAbortedError: .* aborted: the test aborts it"):
+            cpp.value()
+        with pytest.raises(RuntimeError, match="aborted: the test aborts it"):
+            fut.wait()
+        with pytest.raises(CollectiveError, match="aborted: the test aborts it"):
+            work.wait()
+        return True
+    assert ranks.run(body) == [True, True]
+    ranks.close()
+
+
+def test_calls_on_one_comm_never_overlap(monkeypatch, no_breach):
+    """Defect 2: the watchdog polls ncclCommGetAsyncError while ops launch and settle; every
+    call on a comm holds its lock (the library holds each call open to make an overlap show)."""
+    monkeypatch.setattr(nccl_watchdog, "WATCHDOG_PERIOD_S", 0.0005)
+    ranks = Ranks(2, lib=SimNccl(jitter=0.0003, launch_polls=3))
+
+    def body(r, e):
+        total = 0.0
+        for _ in range(150):
+            t = torch.ones(8)
+            e.allreduce([t]).wait()
+            total += t.sum().item()
+        return total
+    assert ranks.run(body, timeout=120) == [150 * 16.0] * 2
+    polls = [c for c in ranks.comm(0).calls if c[1] == "ncclCommGetAsyncError"]
+    assert any(t.startswith("hpct-nccl-watchdog") for t, _ in polls), "the watchdog never polled"
+    ranks.close()
+
+
+def launches_waiting(lib: SimNccl, n: int, seconds: float = 20.0) -> None:
+    """Until ``n`` comms have a launch NCCL has not taken yet."""
+    deadline = time.monotonic() + seconds
+    while len(lib.comms) < n or not all(c.job_polls is not None for c in lib.comms.values()):
+        assert time.monotonic() < deadline, "the launches never started"
+        time.sleep(0.01)
+
+
+def test_abort_is_ncclCommAbort_alone_and_ends_a_stuck_launch(no_breach):
+    """Defects 3 and 5: abort during a launch that NCCL never takes returns at once from
+    another thread (no engine lock held across the wait), calls ncclCommAbort and no revoke
+    (revoke then abort walks the group job revoke freed), and the launch fails."""
+    lib = SimNccl(stuck_launch=True)
+    ranks = Ranks(2, lib=lib, op_timeout=120.0)
+    works = {}
+    runner = threading.Thread(target=lambda: works.update(enumerate(ranks.run(
+        lambda r, e: e.allreduce([torch.ones(1)]), timeout=60))), daemon=True)
+    runner.start()
+    launches_waiting(lib, 2)
+    t0 = time.monotonic()
+    for e in ranks.engines:
+        e.abort("ending a stuck launch")
+    took = time.monotonic() - t0
+    runner.join(10)
+    assert not runner.is_alive(), "the launching threads did not return after the abort"
+    assert took < 3.0, took
+    for r, e in enumerate(ranks.engines):
+        assert isinstance(e.failure, NcclAbortedError)
+        with pytest.raises(NcclAbortedError):
+            works[r].wait()
+        calls = [c for _, c in ranks.comm(r).calls]
+        assert "ncclCommAbort" in calls and "ncclCommRevoke" not in calls, calls
+    ranks.close()
+
+
+def test_an_async_error_during_a_launch_fails_the_group_and_its_futures(no_breach):
+    """Defect 4: NCCL reports an error while the engine waits for it to take a launch: the
+    group fails, the comm is aborted and the op's future completes with the error."""
+    lib = SimNccl(launch_polls=10 ** 6)
+    ranks = Ranks(2, lib=lib)
+
+    def body(r, e):
+        e.allreduce([torch.ones(1)])           # waits (polling) for NCCL to take it
+        return e
+    runner = threading.Thread(target=lambda: ranks.run(body), daemon=True)
+    runner.start()
+    launches_waiting(lib, 2)
+    for c in lib.comms.values():
+        c.fail(REMOTE_ERROR, "peer 1 reset the connection")
+    runner.join(10)
+    assert not runner.is_alive()
+    for r, e in enumerate(ranks.engines):
+        assert isinstance(e.failure, NcclGroupError)
+        assert "remote process exited or there was a network error" in str(e.failure)
+        assert "ncclCommAbort" in [c for _, c in ranks.comm(r).calls]
+    ranks.close()
+
+
+def test_settle_polls_and_yields_without_sleeping(monkeypatch):
+    """Defect 6: a launch that NCCL takes after k polls costs k polls and k sched_yields, no
+    sleep (a 2 ms sleep per poll cost every small op 2 ms); only a long wait backs off."""
+    sleeps, yields = [], []
+    monkeypatch.setattr(nccl_comm.time, "sleep", sleeps.append)
+    monkeypatch.setattr(nccl_comm.os, "sched_yield", lambda: yields.append(1))
+
+    class Lib:
+        def __init__(self, k):
+            self.left = k
+
+        def async_error(self, handle):
+            self.left -= 1
+            return nccl_lib.IN_PROGRESS if self.left >= 0 else nccl_lib.SUCCESS
+
+    for k in (0, 1, 37, nccl_comm.SPIN_POLLS):
+        sleeps.clear(), yields.clear()
+        assert nccl_comm.Communicator(Lib(k), 1, "test").settle(60.0) == nccl_lib.SUCCESS
+        assert (len(yields), sleeps) == (k, [])
+    sleeps.clear(), yields.clear()
+    k = nccl_comm.SPIN_POLLS + 40
+    assert nccl_comm.Communicator(Lib(k), 1, "test").settle(60.0) == nccl_lib.SUCCESS
+    assert len(yields) == k and len(sleeps) == 40 and max(sleeps) <= nccl_comm.MAX_BACKOFF_S
+
+
+def test_shutdown_racing_a_failure_ends_the_comm_once(no_breach):
+    """Defect 9: a watchdog failure (abort) racing the application's shutdown (destroy) ends
+    the comm exactly once: the library calls a second end a use after free."""
+    for _ in range(12):
+        ranks = Ranks(2)
+        ranks.run(lambda r, e: e.allreduce([torch.ones(1)]).wait())
+        start = threading.Barrier(4)
+
+        def fail(e):
+            start.wait(10)
+            e._fail(e._err(NcclGroupError, "op", "asynchronous error (the test's)"))
+
+        def shut(e):
+            start.wait(10)
+            e.shutdown(5.0)
+        threads = [threading.Thread(target=f, args=(e,), daemon=True) for e in ranks.engines for f in (fail, shut)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert not any(t.is_alive() for t in threads)
+        for r in range(2):
+            ends = [c for _, c in ranks.comm(r).calls if c in ("ncclCommAbort", "ncclCommDestroy")]
+            assert len(ends) == 1, ends
+
+
+def test_a_refused_dtype_inside_a_coalesced_group_launches_none_of_it(no_breach):
+    """Defect 13: the data type is checked at the call, so a refused op launches nothing
+    (not the part of the group before it: peers would wait for the rest), and the group
+    goes on."""
+    ranks = Ranks(2)
+
+    def body(r, e):
+        e.allreduce([torch.ones(1)]).wait()
+        before = list(ranks.comm(r).groups)
+        e.start_coalescing()
+        first = e.send([torch.ones(2)], 1 - r)
+        with pytest.raises(HpctArgumentError, match="NCCL has no data type for torch.int16"):
+            e.send([torch.ones(2, dtype=torch.int16)], 1 - r)
+        assert "not launched" in str(first.exception())
+        assert ranks.comm(r).groups == before
+        t = torch.full((2,), r + 1.0)
+        e.allreduce([t]).wait()
+        return t.tolist()
+    assert ranks.run(body) == [[3.0, 3.0]] * 2
+    ranks.close()
+
+
+def test_kept_tensors_outlive_the_abort_that_ends_their_kernel(no_breach):
+    """Defect 13: an aborted op's kernel may write its buffers until the abort has ended it,
+    so the staging buffer lives until then even when the caller dropped everything."""
+    lib = SimNccl(hang_op=True)
+    ranks = Ranks(2, lib=lib)
+    refs, alive_in_abort = {}, {}
+    lib.on_abort.append(lambda comm: alive_in_abort.setdefault(comm.rank, refs[comm.rank]() is not None))
+
+    def body(r, e):
+        # The list form stacks its inputs into a buffer only the op holds: the kernel reads it.
+        w = e.reduce_scatter(torch.empty(2), [torch.ones(2), torch.ones(2)], R.SUM)
+        refs[r] = weakref.ref(next(t for t in w._keep if t.shape == (2, 2)))
+        del w
+        gc.collect()
+        return refs[r]() is not None
+    assert ranks.run(body) == [True, True]
+    for e in ranks.engines:
+        e.abort("the test aborts it")
+    assert alive_in_abort == {0: True, 1: True}
+    drain()
+    ranks.close()
+    gc.collect()
+    assert [refs[r]() for r in range(2)] == [None, None], "kept after the kernel ended"
+
+
+def test_ops_launched_into_a_graph_capture_are_never_polled(no_breach):
+    """Defect 13: querying or waiting for an event of a capture breaks the capture: captured
+    work is completed at launch (as ProcessGroupNCCL does) and the watchdog and the completer
+    leave it alone."""
+    ranks = Ranks(2)
+
+    def body(r, e):
+        e.allreduce([torch.ones(1)]).wait()
+        with capture():
+            w = e.allreduce([torch.ones(2)])
+        assert w.get_future().done()
+        time.sleep(0.3)                       # watchdog ticks and the completer run meanwhile
+        w.wait()
+        return True
+    assert ranks.run(body) == [True, True]
+    ranks.close()
+
+
+def test_forming_a_comm_may_take_the_op_timeout_after_the_connect_deadline(no_breach):
+    """Defect 13: the connect deadline bounds the rootless ring; transport set-up after it
+    (long at scale) is bounded by the op timeout, not by one more second."""
+    ranks = Ranks(2, lib=SimNccl(init_delay=1.6), connect_timeout=0.4, op_timeout=10.0)
+
+    def body(r, e):
+        t = torch.ones(2)
+        e.allreduce([t]).wait()
+        return t.tolist()
+    assert ranks.run(body) == [[2.0, 2.0]] * 2
+    ranks.close()
