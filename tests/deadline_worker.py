@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -66,6 +67,11 @@ else:
         timed("op", all_reduce)
         for _ in range(2):                    # each attempt meets the stopped victim's backlog
             timed("recover", hd.recover)
+    elif scenario == "recover_stopped_inside":    # the victim was SIGKILLed at "go"
+        timed("op", all_reduce)
+        if rank == n - 2:                     # stops itself once inside recover(), connected at
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGSTOP)).start()   # the new generation
+        timed("recover", hd.recover)
     elif scenario == "new_group":
         timed("new_group", lambda: all_reduce(dist.new_group(list(range(n)))))
     elif scenario == "recv":

@@ -93,3 +93,34 @@ def test_new_group_with_a_stopped_member_fails_within_the_connect_deadline(tmp_p
 def test_receive_from_a_stopped_peer_fails_within_the_op_timeout(tmp_path):
     got = run(tmp_path, "recv", "stopped")
     check(got, ["recv"])
+
+
+def test_recovery_fails_within_the_connect_deadline_when_a_member_stops_inside_it(tmp_path):
+    """Rank 3 is SIGKILLed; ranks 0-2 recover; rank 2 stops itself inside recover(), connected at
+    the new generation and waiting for rank 3's replacement.  Ranks 0 and 1 wait on rank 2 in
+    the group's formation count: each of its waits takes what is left of the connect deadline
+    (each once took the whole deadline + 2 s: 5.07 s at HPCT_CONNECT_TIMEOUT=3)."""
+    env = {"HPCT_CONNECT_TIMEOUT": str(CONNECT_S), "DEADLINE_OP_TIMEOUT": str(OP_S)}
+    j = Job([sys.executable, str(WORKER), str(tmp_path), "recover_stopped_inside"], WORLD,
+            free_port_block(8 * WORLD), tmp_path, time.monotonic() + 90, env=env)
+    stopper = VICTIM - 1
+    with j:
+        j.start_all()
+        for r in range(WORLD):
+            j.wait_file(tmp_path / f"ready-{r}", 60)
+        j.kill(VICTIM)
+        (tmp_path / "go").write_text("")
+        try:
+            for r in range(stopper):
+                j.procs[r].wait(timeout=max(j.deadline - time.monotonic(), 1))
+        finally:
+            j.kill(stopper)
+        assert {r: j.procs[r].returncode for r in range(stopper)} == {r: 0 for r in range(stopper)}, \
+            "\n".join(j.output(r) for r in range(stopper))
+    for r in range(stopper):
+        recs = json.loads((tmp_path / f"deadline-{r}.json").read_text())
+        assert [rec["what"] for rec in recs] == ["op", "recover"], (r, recs)
+        rec = recs[1]
+        assert rec["error"] == "RendezvousError", (r, rec)
+        assert rec["s"] <= CONNECT_S + SLACK_S, f"rank {r}: recover failed after {rec['s']:.2f} s: " \
+                                                f"{rec['message'][:300]}"

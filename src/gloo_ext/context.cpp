@@ -218,6 +218,9 @@ gloo::AllreduceOptions::Func reduce_fn(const std::string& op) {
 constexpr uint64_t kP2PSlotPrefix = 0x20;
 // The lazy group's formation count (StorelessContext::form): its own slot.
 constexpr uint64_t kFormSlot = uint64_t(0x21) << 56;
+// What a wait of the formation count may take past the connect deadline: the last message
+// in flight when the deadline passes (the whole connect fails within deadline + this).
+constexpr std::chrono::milliseconds kFormSlack{250};
 uint64_t p2p_slot(uint32_t tag) {
   return (kP2PSlotPrefix << 56) | static_cast<uint64_t>(tag);
 }
@@ -491,8 +494,10 @@ class StorelessContext {
     }
     without_gil([&] {
       std::lock_guard<std::mutex> op(op_);
+      // One deadline for the whole connect, the count that follows the mesh (or tree) included.
+      const auto deadline = std::chrono::steady_clock::now() + options_.connectTimeout;
       ctx->connectFullMeshStoreless(options_, dev);
-      if (options_.lazy && size_ > 1) form(ctx);
+      if (options_.lazy && size_ > 1) form(ctx, deadline);
       connected_ = true;
     });
   }
@@ -502,10 +507,17 @@ class StorelessContext {
   // there at this generation in 2*log2(N) message hops (a ring allreduce takes 2(N-1)),
   // and leaves each rank connected to its tree parent and children only (at most
   // log2(N)+1 peers), under the connect deadline rather than the op timeout.  Whatever
-  // fails it is a failed connect.
-  void form(const std::shared_ptr<gloo::rendezvous::Context>& ctx) {
+  // fails it is a failed connect.  Each wait gets what is left of the connect's deadline, not
+  // a deadline of its own: a member stopped after it connected (SIGSTOP, a hung host) costs
+  // the others the connect deadline, not the deadline again per hop.
+  void form(const std::shared_ptr<gloo::rendezvous::Context>& ctx,
+            std::chrono::steady_clock::time_point deadline) {
     int64_t count = 1;
-    const auto limit = options_.connectTimeout + std::chrono::seconds(2);
+    auto limit = [&deadline] {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                            deadline - std::chrono::steady_clock::now()) + kFormSlack;
+      return std::max(left, std::chrono::milliseconds(1));
+    };
     try {
       auto buf = ctx->createUnboundBuffer(&count, sizeof(count));
       int64_t part = 0;
@@ -515,19 +527,19 @@ class StorelessContext {
       for (int mask = 1; mask < low; mask <<= 1) {     // children: rank + 1, 2, 4, .. below low
         if (rank_ + mask >= size_) break;
         in->recv(rank_ + mask, kFormSlot);
-        in->waitRecv(limit);
+        in->waitRecv(limit());
         count += part;
       }
       if (rank_ != 0) {
         buf->send(rank_ - low, kFormSlot);
-        buf->waitSend(limit);
+        buf->waitSend(limit());
         buf->recv(rank_ - low, kFormSlot);
-        buf->waitRecv(limit);
+        buf->waitRecv(limit());
       }
       for (int mask = low >> 1; mask >= 1; mask >>= 1) {
         if (rank_ + mask >= size_) continue;
         buf->send(rank_ + mask, kFormSlot);
-        buf->waitSend(limit);
+        buf->waitSend(limit());
       }
     } catch (const gloo::AbortedException&) {
       throw;
