@@ -5,6 +5,8 @@
 # Each tier prints its duration (CI budget: the whole run under 60 minutes on 2 cores).
 # NCCL's tag tarballs come from HPCT_NCCL_SOURCES (a folder of nccl-<version>-1.tar.gz;
 # .ci/run sets it when ../shared/sources exists); without it the NCCL source tiers skip.
+# Without pytest arguments the torch tier follows (ci/torch_tier.sh: PyPI's newest supported
+# torch in a cached virtual environment).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . ci/python.sh
@@ -27,6 +29,10 @@ tier pytest
 # the same interpreter that installed the wheel runs the tests.
 rc=0
 timeout --signal=INT --kill-after=60 80m "$PYTHON" -P -m pytest --durations=15 "$@" || rc=$?
+if [ $# -eq 0 ]; then          # the whole suite: also against the newest torch users install
+  tier torch
+  bash ci/torch_tier.sh || rc=$?
+fi
 tier ""
 echo "ci/test.sh: total $SECONDS s"
 exit $rc

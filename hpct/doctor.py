@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from .requirements import (TORCH_PATCHED_PIN, install_fix, pip_command, python_floor_text, runtime_requirements,
-                           satisfies, torch_fix, unmet)
+from .requirements import (TORCH_PATCHED_PIN, install_fix, nccl_fix, pip_command, python_floor_text,
+                           runtime_requirements, satisfies, torch_fix, unmet)
 
 TORCH_PIN = TORCH_PATCHED_PIN           # DESIGN.md's PyTorch pin (the stock CPU pin: hpct.requirements)
 NCCL_PIN = "2.21.5"                     # what PyTorch 2.6.0 pins
@@ -124,9 +124,10 @@ def check_torch(probe: Probe) -> tuple[Row, object | None]:
         fits = satisfies(version, spec)
     except ValueError:
         fits = False
-    if not fits:
-        return Row("pytorch", "fail", f"{version} is outside hpct's supported range torch{spec}", fix), torch
     cuda = getattr(getattr(torch, "version", None), "cuda", None)
+    if not fits:
+        return Row("pytorch", "fail", f"{version} is outside hpct's supported range torch{spec}",
+                   torch_fix(installed=version, cuda=cuda)), torch
     return Row("pytorch", "ok", f"{version} ({'CUDA ' + cuda if cuda else 'CPU-only'})"), torch
 
 
@@ -150,9 +151,9 @@ def check_extension(probe: Probe) -> list[Row]:
         return [Row("hpct extension", "fail", f"hpct._gloo does not load ({type(err).__name__}: {err})",
                     _BUILD_FIX),
                 Row("gloo series", "skip", "the extension is not loaded")]
-    listed = f" ({', '.join(names)})" if names else ""
-    rows = [Row("hpct extension", "ok", f"{getattr(ext, '__file__', 'hpct._gloo')}: Gloo series {series_id}, "
-                                        f"{len(names)} patches {source}{listed}")]
+    rows = [Row("hpct extension", "ok", f"{getattr(ext, '__file__', 'hpct._gloo')}: Gloo series {series_id} "
+                                        f"({len(names)} patches, {source}; `hpct doctor --json` lists them)")]
+    rows[0].data = {"series_id": series_id, "patches": names}
     try:
         expected = expected_series_id(probe.series_file)
     except ValueError as err:
@@ -491,14 +492,15 @@ def check_nccl_for_hpct(probe: Probe, torch) -> Row:
     detail = f"torch: {describe(t)}; hpct: {describe(h)}" + (f" via {how}" if h else "")
     if h is not None and h.get("matches_torch_pin") is not None:
         detail += f"; torch pins {pin}: {'matches' if h['matches_torch_pin'] else 'differs (new functions only, same ABI)'}"
+    advice = nccl_fix(str(getattr(torch, "__version__", ""))) if cuda else nccl_lib.ROOTLESS_FIX
     if h is None:
-        status, fix = ("info" if not cuda else "warn"), nccl_lib.ROOTLESS_FIX
+        status, fix = ("info" if not cuda else "warn"), advice
     elif "error" in h:
         status, fix = ("warn" if not cuda else "fail"), f"point {nccl_lib.LIBRARY_VAR} at a working libnccl.so.2"
     elif h["patched"]:
         status, fix = "ok", None
     else:
-        status, fix = ("info" if not cuda else "warn"), nccl_lib.ROOTLESS_FIX
+        status, fix = ("info" if not cuda else "warn"), advice
         detail += " (no ncclCommInitRankRootless: hpct's CUDA groups cannot start)"
     row = Row("nccl for hpct", status, detail, fix)
     row.data = data
@@ -540,9 +542,11 @@ def render_table(rows: Sequence[Row]) -> str:
 
 def as_json(rows: Sequence[Row]) -> dict:
     """``{"ok", "checks"}``, plus ``"nccl"`` (torch's and hpct's libnccl: path, version, patched,
-    series_id, how, matches_torch_pin) when the rows include the NCCL check; fields only added."""
+    series_id, how, matches_torch_pin) when the rows include the NCCL check, and ``"gloo_series"``
+    (the extension's series id and its patches) when the extension loads; fields only added."""
     doc = {"ok": not failures(rows), "checks": [asdict(r) for r in rows]}
-    nccl = next((getattr(r, "data", None) for r in rows if r.check == "nccl for hpct"), None)
-    if nccl is not None:
-        doc["nccl"] = nccl
+    for key, check in (("nccl", "nccl for hpct"), ("gloo_series", "hpct extension")):
+        data = next((getattr(r, "data", None) for r in rows if r.check == check), None)
+        if data is not None:
+            doc[key] = data
     return doc

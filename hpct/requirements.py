@@ -17,6 +17,12 @@ from typing import Callable, Iterable
 
 TORCH_CPU_PIN = "2.13.0"        # the stock CPU wheel ci/setup.sh installs and CI runs against
 TORCH_PATCHED_PIN = "2.6.0"     # the PyTorch hpct's c10d/NCCL series patch (hpct-build build pytorch)
+TORCH_NEWEST = "2.15.0"         # the newest torch hpct supports (pyproject's extra: <2.16); a newer
+                                # release is admitted by a green CI on it and a one-line bump there
+# The NCCL each CUDA torch pins, where hpct has a series for it: a drop-in wheel then replaces
+# NVIDIA's under torch's own pin (hpct-build build nccl=V && hpct-build wheel nccl=V).
+NCCL_DROP_IN = {(2, 6): "2.21.5", (2, 14): "2.30.7", (2, 15): "2.30.7"}
+NCCL_NEWEST_SERIES = "2.30.7"   # built beside torch's own NCCL where torch pins one without a series
 # Extras that hpct never imports at run time: the test suite's, and the benchmarks' plotting.
 NON_RUNTIME_EXTRAS = frozenset({"test", "bench"})
 
@@ -104,11 +110,36 @@ def pip_command(executable: str | None = None) -> str:
     return f"{executable or sys.executable} -m pip"
 
 
-def torch_fix(executable: str | None = None) -> str:
-    """Which torch to install: the tested CPU wheel, or hpct's patched build for GPUs."""
-    return (f"{pip_command(executable)} install torch=={TORCH_CPU_PIN} (the CPU build hpct is tested with, "
-            f"as ci/setup.sh installs it); for GPUs, hpct's patched PyTorch {TORCH_PATCHED_PIN}: "
+def torch_fix(executable: str | None = None, installed: str | None = None, cuda: str | None = None) -> str:
+    """What to install when the torch row fails, following the build the machine has: a CUDA
+    torch is never told to downgrade to the CPU wheel."""
+    pip = pip_command(executable)
+    if installed is not None and cuda:
+        if _release(installed)[:2] > _release(TORCH_NEWEST)[:2]:
+            return (f"torch {installed} is newer than hpct supports (2.6 through {TORCH_NEWEST}): "
+                    f"{pip} install torch=={TORCH_NEWEST} (its CUDA build, as PyPI serves it), or an hpct "
+                    f"release that admits {'.'.join(map(str, _release(installed)[:2]))}")
+        return f"{pip} install torch=={TORCH_NEWEST} (its CUDA build, as PyPI serves it)"
+    return (f"{pip} install torch=={TORCH_CPU_PIN} (the CPU build hpct is tested with, "
+            f"as ci/setup.sh installs it); for GPUs, torch {TORCH_NEWEST} from PyPI with hpct's NCCL "
+            f"(hpct-build build nccl={NCCL_NEWEST_SERIES}), or hpct's patched PyTorch {TORCH_PATCHED_PIN}: "
             f"hpct-build build pytorch")
+
+
+def nccl_fix(torch_version: str | None) -> str:
+    """How to give a CUDA torch of this version a libnccl with ncclCommInitRankRootless."""
+    try:
+        minor = _release(torch_version or "")[:2]
+    except ValueError:
+        minor = None
+    pin = NCCL_DROP_IN.get(minor) if minor else None
+    if pin:
+        return (f"torch {torch_version} pins NCCL {pin}: install hpct's drop-in wheel of it "
+                f"(hpct-build build nccl={pin} --cuda-arch <your GPUs> && hpct-build wheel nccl={pin}, then "
+                f"pip install the wheel it prints; torch's pin stays met)")
+    return (f"torch {torch_version or '?'} pins an NCCL hpct has no series for: build hpct's "
+            f"{NCCL_NEWEST_SERIES} (hpct-build build nccl={NCCL_NEWEST_SERIES} --cuda-arch <your GPUs>) and set "
+            f"HPCT_NCCL_LIBRARY to its lib/libnccl.so.2; torch keeps its own NCCL beside it")
 
 
 def install_fix(req: Requirement, executable: str | None = None) -> str:

@@ -29,9 +29,13 @@ from util import run_cli
 
 NCCL_PIN = "2.21.5"
 FETCH = f"{sys.executable} -m pip download --no-deps nvidia-nccl-cu12=={NCCL_PIN} -d ~/.cache/hpct"
-# Which torch to install: the stock CPU pin CI uses, or hpct's patched 2.6.0 for GPUs.
+# Which torch to install when none is importable: the stock CPU pin CI uses; for GPUs, PyPI's
+# newest supported CUDA build with hpct's NCCL, or hpct's patched 2.6.0.
 TORCH_FIX = (f"{sys.executable} -m pip install torch==2.13.0 (the CPU build hpct is tested with, as "
-             f"ci/setup.sh installs it); for GPUs, hpct's patched PyTorch 2.6.0: hpct-build build pytorch")
+             f"ci/setup.sh installs it); for GPUs, torch 2.15.0 from PyPI with hpct's NCCL (hpct-build build "
+             f"nccl=2.30.7), or hpct's patched PyTorch 2.6.0: hpct-build build pytorch")
+# An installed CUDA torch outside the range: a CUDA torch in it, never the CPU wheel.
+CUDA_TORCH_FIX = f"{sys.executable} -m pip install torch==2.15.0 (its CUDA build, as PyPI serves it)"
 
 
 # ---------------------------------------------------------------- fakes and fixtures
@@ -136,7 +140,8 @@ def good(tmp_path, proc_sys, free_base, rootless_nccl) -> Probe:
     series.write_text(json.dumps({"series_id": "s1"}))
     return Probe(env={"HPCT_USE_ROOTLESS": "1", "HPCT_PORT_BASE": str(free_base)}, proc_sys=proc_sys,
                  import_module=importer(torch=fake_torch(), ext=fake_ext()), series_file=series,
-                 nccl_paths=[rootless_nccl], use_ldconfig=False)
+                 nccl_paths=[rootless_nccl], use_ldconfig=False,
+                 sys_path=[])    # no nvidia-nccl wheel row: a CUDA torch's site-packages holds one
 
 
 def rows_by_name(rows):
@@ -162,7 +167,9 @@ def test_good_node_passes_every_row(good):
     by = rows_by_name(rows)
     assert by["pytorch"].detail == "2.6.0+hpct.s1 (CUDA 12.4)"
     assert by["hpct extension"].detail.endswith(
-        "Gloo series s1, 2 patches compiled in (0001-fixed-listen-port, 0002-storeless-connect)")
+        "Gloo series s1 (2 patches, compiled in; `hpct doctor --json` lists them)")
+    assert by["hpct extension"].data == {"series_id": "s1",
+                                         "patches": ["0001-fixed-listen-port", "0002-storeless-connect"]}
     assert by["libnccl"].detail.endswith("NCCL 2.21.5 (22105), exports ncclCommInitRankRootless")
     assert by["free ports"].detail == "16 ports of all local ranks are free"
     assert doctor.failures(rows) == []
@@ -193,15 +200,29 @@ def test_missing_torch_fails_with_pip_fix(good):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("torch,detail", [
-    (fake_torch(version="2.5.1+cu124"), "2.5.1+cu124 is outside hpct's supported range torch<2.14,>=2.6"),
-    (fake_torch(version="2.14.0"), "2.14.0 is outside hpct's supported range torch<2.14,>=2.6"),
+@pytest.mark.parametrize("torch,detail,fix", [
+    (fake_torch(version="2.5.1+cu124"), "2.5.1+cu124 is outside hpct's supported range torch<2.16,>=2.6",
+     CUDA_TORCH_FIX),
+    (fake_torch(version="2.5.1+cpu", cuda=None), "2.5.1+cpu is outside hpct's supported range torch<2.16,>=2.6",
+     TORCH_FIX),
+    (fake_torch(version="2.16.0", cuda="13.2"), "2.16.0 is outside hpct's supported range torch<2.16,>=2.6",
+     f"torch 2.16.0 is newer than hpct supports (2.6 through 2.15.0): {CUDA_TORCH_FIX}, or an hpct release "
+     "that admits 2.16"),
     (OSError("libcudart.so.12: cannot open shared object file"),
-     "import failed: OSError: libcudart.so.12: cannot open shared object file"),
+     "import failed: OSError: libcudart.so.12: cannot open shared object file", TORCH_FIX),
 ])
-def test_bad_torch_fails(good, torch, detail):
+def test_bad_torch_fails_with_advice_for_the_build_it_is(good, torch, detail, fix):
     row = rows_by_name(run_checks(with_(good, import_module=importer(torch=torch, ext=fake_ext()))))["pytorch"]
-    assert (row.status, row.detail, row.fix) == ("fail", detail, TORCH_FIX)
+    assert (row.status, row.detail, row.fix) == ("fail", detail, fix)
+    assert "2.13.0" not in row.fix or getattr(torch, "version", None) is None or not torch.version.cuda
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("version,cuda", [("2.14.1", "13.0"), ("2.15.0", "13.2"), ("2.11.0", "13.0")])
+def test_cuda_torch_in_the_range_passes(good, version, cuda):
+    row = rows_by_name(run_checks(with_(good, import_module=importer(torch=fake_torch(version=version, cuda=cuda),
+                                                                     ext=fake_ext()))))["pytorch"]
+    assert (row.status, row.detail) == ("ok", f"{version} (CUDA {cuda})")
 
 
 @pytest.mark.unit
@@ -220,7 +241,7 @@ def test_patch_names_from_the_build_record(good):
     good.series_file.write_text(json.dumps({"series_id": "s1", "patches": ["0001-a.patch", "0002-b.patch"]}))
     rows = rows_by_name(run_checks(with_(good, import_module=importer(torch=fake_torch(), ext=ext))))
     assert rows["hpct extension"].detail == \
-        "/x/hpct/_gloo.so: Gloo series s1, 2 patches from _series.json (0001-a.patch, 0002-b.patch)"
+        "/x/hpct/_gloo.so: Gloo series s1 (2 patches, from _series.json; `hpct doctor --json` lists them)"
     assert rows["gloo series"].status == "ok"
 
 
@@ -540,8 +561,24 @@ def test_nccl_for_hpct_stock_only_warns_with_the_fix(good, real_nccl):
     row = doctor.check_nccl_for_hpct(probe, fake_torch())
     assert row.status == "warn"
     assert row.detail.endswith("(no ncclCommInitRankRootless: hpct's CUDA groups cannot start)")
-    assert "hpct-build wheel nccl" in row.fix and "HPCT_NCCL_LIBRARY" in row.fix
+    # the advice follows the installed torch: 2.6 pins 2.21.5, which has an hpct drop-in
+    assert row.fix.startswith("torch 2.6.0+hpct.s1 pins NCCL 2.21.5: install hpct's drop-in wheel of it")
+    assert "hpct-build wheel nccl=2.21.5" in row.fix
     assert doctor.check_nccl_for_hpct(probe, fake_torch(cuda=None)).status == "info"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("version,want", [
+    ("2.15.0", "torch 2.15.0 pins NCCL 2.30.7: install hpct's drop-in wheel of it (hpct-build build "
+               "nccl=2.30.7 --cuda-arch <your GPUs> && hpct-build wheel nccl=2.30.7"),
+    ("2.14.1", "torch 2.14.1 pins NCCL 2.30.7: install hpct's drop-in wheel of it"),
+    ("2.11.0", "torch 2.11.0 pins an NCCL hpct has no series for: build hpct's 2.30.7 (hpct-build build "
+               "nccl=2.30.7 --cuda-arch <your GPUs>) and set HPCT_NCCL_LIBRARY to its lib/libnccl.so.2"),
+])
+def test_nccl_advice_follows_the_cuda_torch(good, real_nccl, version, want):
+    probe = with_(good, nccl_paths=[real_nccl])          # NVIDIA's stock libnccl: no rootless call
+    row = doctor.check_nccl_for_hpct(probe, fake_torch(version=version, cuda="13.0"))
+    assert row.status == "warn" and row.fix.startswith(want), row.fix
 
 
 @pytest.mark.unit

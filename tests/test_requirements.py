@@ -101,6 +101,10 @@ def test_pyproject_declares_torch_as_a_bounded_extra_and_no_numpy():
     # the range admits both pins the project names, and nothing is a bare unpinned torch
     assert satisfies(requirements.TORCH_CPU_PIN, torch.spec)
     assert satisfies(requirements.TORCH_PATCHED_PIN, torch.spec)
+    # ... and the newest torch CI tests (ci/torch_tier.sh), and not the release after it
+    assert satisfies(requirements.TORCH_NEWEST, torch.spec)
+    major, minor = requirements.TORCH_NEWEST.split(".")[:2]
+    assert not satisfies(f"{major}.{int(minor) + 1}.0", torch.spec)
 
 
 def test_the_installed_metadata_is_pyprojects():
@@ -169,7 +173,7 @@ def test_torch_row_range_from_metadata():
     meta = fake_metadata(requires=['torch<2.7,>=2.6; extra == "torch"'])
     row, _ = doctor.check_torch(Probe(metadata=meta, import_module=lambda name: torch))
     assert (row.status, row.detail) == ("fail", "2.7.0 is outside hpct's supported range torch<2.7,>=2.6")
-    assert row.fix == requirements.torch_fix()
+    assert row.fix == requirements.torch_fix()          # a CPU torch: the CPU pin, or the GPU ways
     assert "install torch==2.13.0" in row.fix and "patched PyTorch 2.6.0: hpct-build build pytorch" in row.fix
     row, _ = doctor.check_torch(Probe(metadata=not_installed, import_module=lambda name: torch))
     assert (row.status, row.detail) == ("ok", "2.7.0 (CPU-only)")
