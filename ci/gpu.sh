@@ -1,88 +1,47 @@
 #!/usr/bin/env bash
-# The GPU proof of hpct's CUDA half, one command (docs/gpu.md "GPU proof").
+# The GPU proof of hpct's CUDA half (docs/gpu-proof.md has the device plan, docs/gpu.md the claims).
 #
-#   ci/gpu.sh [--preflight] [--skip-build]
+# Here, on the CPU machine (CUDA 13.0's nvcc, no GPU): build everything the device needs and pack it
+#   ci/gpu.sh --pack DIR [--funcs proof|all|SPEC] [--max-calls N] [--workdir W] [--reuse] [--no-test-wheels]
+#     patched libnccl 2.30.7 for sm_90 (stripped, xz), the hpct wheel for cp312, tests/gpu and the
+#     runner, a manifest (every file's size and sha256, the totals); refused with the reason and the
+#     fix when nvcc is not exactly 13.0, an input is missing, or the pack exceeds the device tool's
+#     64 MiB per call (less the working tree that travels with it).  ci/gpu_pack.py does the work.
 #
-# Target: one H100 or H200 (sm_90), driver >= 580, nvcc 13.0, Python 3.12 with torch 2.11.0+cu130 and
-# nvidia-nccl-cu13 installed, no network, <= 8 minutes.  Steps:
-#   1. preflight (CPU side, also run in CI): arguments, tools, torch, a CUDA device;
-#   2. build the patched NCCL for this GPU's arch only (NCCL_BUILD_ARGS below);
-#   3. build and install the hpct wheel from CARRIED inputs (no network there):
-#        third_party/cache/   the pinned Gloo archive (sha256-checked; a few MiB)
-#        third_party/src/gloo-5354032/  the unpacked Gloo tree (optional, saves the unpack)
-#      and ../shared/sources/nccl-2.30.7-1.tar.gz (or HPCT_NCCL_SOURCE) for step 2;
-#      together well under 64 MiB;
-#   4. pytest -m gpu tests/gpu with N = 2 and 4 ranks on the one GPU (NCCL_HOSTID per rank,
-#      NCCL_SOCKET_IFNAME=lo): exactness against stock ProcessGroupNCCL, DDP bit-identity,
-#      kill/recover, and the timing table (printed and written to $OUT or build/gpu-proof/).
+# On the device (one H100/H200, from the carried pack; nothing is built there)
+#   ci/gpu.sh [--from DIR] [--phase smoke|proof|more|all] [--budget-s S]
+#     preflight (Python 3.12, torch 2.11.x+cu130, driver >= 580, an sm_90 device, the pack's
+#     sha256s), install (pip --no-index --no-deps --target), then the phase's tests, both stacks
+#     on the pack's libnccl (LD_PRELOAD) with NCCL_ALGO=Ring NCCL_PROTO=Simple and one channel.
+#     Reports (tables, log) go to $OUT, else build/gpu-proof/.  ci/gpu_device.py does the work.
+#   ci/gpu.sh --preflight [--from DIR]     the checks only (CI runs this on a CPU: it must refuse)
+#
+# Exit codes: 0 ok, 1 a proof test failed, 2 bad arguments, 3 the preflight refused,
+# 4 the pack was refused, 5 a build failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-
-# ---- every flag of the NCCL build in one place (check `python -m hpct.builder build nccl --help`)
-NCCL_VERSION=${NCCL_VERSION:-2.30.7}
-CUDA_VERSION=${CUDA_VERSION:-13.0}
-NCCL_BUILD_ARGS=(build "nccl=${NCCL_VERSION}" --cuda "${CUDA_VERSION}" --cuda-arch "${CUDA_ARCH:-90}")
 PY=${PYTHON:-python3}
-RANKS=${GPU_PROOF_RANKS:-"2 4"}
-REPORT_DIR=${OUT:-build/gpu-proof}
 
 die() { echo "ci/gpu.sh: $*" >&2; exit 2; }
+usage() { sed -n '2,22p' "$0"; }
 
-PREFLIGHT_ONLY=0; SKIP_BUILD=0
-for arg in "$@"; do
-  case "$arg" in
-    --preflight) PREFLIGHT_ONLY=1 ;;
-    --skip-build) SKIP_BUILD=1 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
-    *) die "unknown argument '$arg' (use --preflight, --skip-build)" ;;
+[ $# -gt 0 ] && [ "$1" = "--pack" ] && {
+  shift
+  [ $# -gt 0 ] && [ "${1#--}" = "$1" ] || die "--pack needs the pack folder first (e.g. ci/gpu.sh --pack build/gpu-pack)"
+  # The builder runs from this checkout (python3 -m hpct.builder with the root as its cwd).
+  exec "${PACK_HOST_PYTHON:-python3}" ci/gpu_pack.py "$@"
+}
+
+MODE=run; ARGS=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --preflight) MODE=preflight ;;
+    --from|--phase|--budget-s|--work|--report)
+      [ $# -ge 2 ] || die "$1 needs a value"; ARGS+=("$1" "$2"); shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown argument '$1' (use --pack DIR here; --from DIR, --phase, --budget-s, --preflight on the device)" ;;
   esac
+  shift
 done
-
-# ---- 1. preflight
 command -v "$PY" >/dev/null || die "no $PY: set PYTHON to the interpreter with torch"
-"$PY" - <<'PYEOF' || exit 3
-import sys
-try:
-    import torch
-except ImportError:
-    sys.exit("ci/gpu.sh: torch is not importable: install a CUDA build of torch (e.g. 2.11.0+cu130)")
-if not torch.version.cuda:
-    sys.exit(f"ci/gpu.sh: torch {torch.__version__} is a CPU build: no CUDA device can be used; "
-             "install a CUDA build of torch")
-if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
-    sys.exit(f"ci/gpu.sh: no CUDA device is visible (torch {torch.__version__}, CUDA {torch.version.cuda})")
-import torch.distributed as dist
-if not dist.is_nccl_available():
-    sys.exit("ci/gpu.sh: this torch has no NCCL backend (stock ProcessGroupNCCL is the reference)")
-major, minor = torch.cuda.get_device_capability(0)
-print(f"preflight: torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)} "
-      f"(sm_{major}{minor}), NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
-PYEOF
-if [ "$SKIP_BUILD" = 0 ]; then
-  command -v nvcc >/dev/null || die "no nvcc on PATH: the patched NCCL build needs CUDA ${CUDA_VERSION} (export PATH=/usr/local/cuda/bin:\$PATH)"
-  command -v make >/dev/null || die "no make"
-  ls third_party/cache/*gloo* >/dev/null 2>&1 || die "third_party/cache has no Gloo archive: carry third_party/cache (see the header)"
-fi
-[ "$PREFLIGHT_ONLY" = 1 ] && { echo "preflight ok"; exit 0; }
-
-# ---- 2. patched NCCL, this GPU's arch only
-if [ "$SKIP_BUILD" = 0 ]; then
-  "$PY" -m hpct.builder "${NCCL_BUILD_ARGS[@]}"
-fi
-LIB=$(ls third_party/build/nccl-"${NCCL_VERSION}"*/install/lib/libnccl.so.2 2>/dev/null | head -1 || true)
-[ -n "${HPCT_NCCL_LIBRARY:-}" ] || { [ -n "$LIB" ] || die "no built libnccl under third_party/build/nccl-${NCCL_VERSION}*"; export HPCT_NCCL_LIBRARY="$PWD/$LIB"; }
-
-# ---- 3. the hpct wheel (Gloo from the carried archive, no network)
-if [ "$SKIP_BUILD" = 0 ]; then
-  "$PY" -m hpct.builder wheel --install
-fi
-
-# ---- 4. the proof
-mkdir -p "$REPORT_DIR"
-export NCCL_SOCKET_IFNAME=lo GPU_PROOF_RANKS="$RANKS" GPU_PROOF_REPORT="$REPORT_DIR"
-rc=0
-"$PY" -P -m pytest -m gpu tests/gpu -v -p no:cacheprovider || rc=$?
-# The one table of the run (docs/gpu.md records it with the date and the machine).
-echo "==== GPU proof report ($(date -u +%Y-%m-%dT%H:%MZ), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1))"
-cat "$REPORT_DIR"/timing-*.txt "$REPORT_DIR"/busbw-*.txt "$REPORT_DIR"/ddp-*.txt 2>/dev/null || true
-exit $rc
+exec "$PY" ci/gpu_device.py "$MODE" ${ARGS[@]+"${ARGS[@]}"}

@@ -14,11 +14,22 @@ import pytest
 
 from hpct.demo.agent import Job, free_port_block, trainer_argv
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import proof_settings  # noqa: E402  (beside this file; tests/gpu is no package)
+
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 WORKER = Path(__file__).with_name("worker.py")
 RANKS = [int(n) for n in os.environ.get("GPU_PROOF_RANKS", "2 4").split()]
+
+
+def settings() -> dict:
+    """Every rank's proof settings (both stacks on the pack's libnccl, one reduction order)."""
+    try:
+        return proof_settings.from_environ()
+    except proof_settings.ProofSettingsError as err:
+        pytest.fail(str(err))
 
 
 def run_ranks(n: int, mode: str, timeout: float = 120.0) -> list[str]:
@@ -27,7 +38,7 @@ def run_ranks(n: int, mode: str, timeout: float = 120.0) -> list[str]:
     master2 = free_port_block(1, avoid=[*range(base, base + 16 * n), master])   # stock's recovery store
     procs = []
     for r in range(n):
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r),
+        env = {**os.environ, **settings(), "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r),
                "LOCAL_WORLD_SIZE": str(n), "N_PROC_PER_NODE": str(n), "HPCT_PORT_BASE": str(base),
                "NCCL_HOSTID": f"hpct-gpu-proof-{r}", "NCCL_SOCKET_IFNAME": "lo",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "MASTER_PORT_2": str(master2),
@@ -75,16 +86,15 @@ def test_start_up_recovery_and_latency_table(n):
 # DDP on CUDA through the hpct backend (its NCCL engine) against torch's own NCCL, and the
 # in-process recovery of the CPU tier (tests/test_recovery.py) on the GPU: the same trainer.
 STEPS, KILL_STEP = 20, 10
-NCCL_DETERMINISM = {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}   # one reduction order in both stacks
 
 
 def ddp_job(out: Path, n: int, *args: str) -> Job:
     out.mkdir(parents=True, exist_ok=True)
     base = free_port_block(16 * n)
-    env = {"NCCL_SOCKET_IFNAME": "lo", "HPCT_CONNECT_TIMEOUT": "60", **NCCL_DETERMINISM,
+    # settings(): the same libnccl and one reduction order in both stacks, hence bit-identical
+    # parameters; it carries HPCT_NCCL_LIBRARY too, which the agent would not pass on.
+    env = {**settings(), "HPCT_CONNECT_TIMEOUT": "60",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port_block(1, avoid=range(base, base + 16 * n)))}
-    if os.environ.get("HPCT_NCCL_LIBRARY"):
-        env["HPCT_NCCL_LIBRARY"] = os.environ["HPCT_NCCL_LIBRARY"]   # the agent passes no HPCT_* on
     return Job(trainer_argv(out, "--device", "cuda", "--steps", str(STEPS), *args), n, base, out,
                time.monotonic() + 240.0, env=env)
 

@@ -4,6 +4,7 @@ import datetime
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -11,11 +12,21 @@ import torch.distributed as dist
 from hpct.config import Config
 from hpct.distributed.nccl_engine import engine_for_group
 
+# -P keeps the script's folder off sys.path; the settings sit beside it.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import proof_settings as ps  # noqa: E402
+
 rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.cuda.set_device(0)
 dev = torch.device("cuda", 0)
 mode = os.environ["GPU_PROOF_MODE"]
 R = dist.ReduceOp
+# Both stacks on the one libnccl the harness preloaded (proof_settings.proof_env), pinned alike.
+torch.cuda.init()
+want = os.path.realpath(os.environ["HPCT_NCCL_LIBRARY"])
+if ps.mapped_libnccl() != [want] or any(os.environ.get(k) != v for k, v in ps.PINS.items()):
+    sys.exit(f"rank {rank}: not under the proof's settings: libnccl mapped {ps.mapped_libnccl()} (want "
+             f"[{want}]), pins {[(k, os.environ.get(k)) for k in ps.PINS]}")
 
 # stock reference: TCPStore + root
 t0 = time.perf_counter()
@@ -33,47 +44,57 @@ eng.barrier().wait()
 hpct_start = time.perf_counter() - t0
 
 
-def same(a, b, what):
-    if not torch.equal(a, b):
+def same(a, b, what, expected=None):
+    """hpct's result ``b`` equals stock's ``a`` bit for bit and, where the exact value is known
+    (integer inputs, proof_settings), both equal it: two stacks that both skipped an op agree too."""
+    if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
         sys.exit(f"rank {rank}: {what} differs from stock NCCL")
+    if expected is not None and not torch.equal(a.cpu(), expected):
+        sys.exit(f"rank {rank}: {what}: stock and hpct agree but differ from the exact value")
 
 
 if mode == "exact":
-    g = torch.Generator(device="cpu").manual_seed(1234 + rank)
+    NUMEL = 1 << 16
+    ops = {"SUM": R.SUM, "MAX": R.MAX, "MIN": R.MIN, "AVG": R.AVG}
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
-        x = (torch.randn(1 << 16, generator=g) * 100).to(dtype).to(dev)
-        for op in (R.SUM, R.MAX, R.MIN) + ((R.AVG,) if dtype.is_floating_point else ()):
+        inputs = [ps.proof_input(r, n, dtype, NUMEL) for r in range(n)]     # every rank's, on the CPU
+        assert ps.exact_in(inputs, dtype), f"{dtype}: inputs whose sums are not exact"
+        x = inputs[rank].to(dev)
+        for name, op in ops.items():
+            if name == "AVG" and not dtype.is_floating_point:
+                continue
             a, b = x.clone(), x.clone()
             dist.all_reduce(a, op=op)
             eng.allreduce([b], op).wait()
-            same(a, b, f"all_reduce {dtype} {op}")
+            exp = ps.expected_reduce(name, inputs, dtype) if name != "AVG" or ps.avg_is_exact(n) else None
+            same(a, b, f"all_reduce {dtype} {name}", exp)
         a, b = x.clone(), x.clone()
         dist.broadcast(a, src=n - 1)
         eng.broadcast([b], n - 1).wait()
-        same(a, b, f"broadcast {dtype}")
+        same(a, b, f"broadcast {dtype}", inputs[n - 1])
         outa = torch.empty(n * x.numel(), dtype=dtype, device=dev)
         outb = torch.empty_like(outa)
         dist.all_gather_into_tensor(outa, x)
         eng.all_gather_single(outb, x).wait()
-        same(outa, outb, f"all_gather_into_tensor {dtype}")
+        same(outa, outb, f"all_gather_into_tensor {dtype}", torch.cat(inputs))
         la = [torch.empty_like(x) for _ in range(n)]
         lb = [torch.empty_like(x) for _ in range(n)]
         dist.all_gather(la, x)
         eng.allgather([lb], [x]).wait()
-        same(torch.stack(la), torch.stack(lb), f"all_gather {dtype}")
+        same(torch.stack(la), torch.stack(lb), f"all_gather {dtype}", torch.stack(inputs))
         ra, rb = torch.empty(x.numel() // n, dtype=dtype, device=dev), torch.empty(x.numel() // n, dtype=dtype, device=dev)
         dist.reduce_scatter_tensor(ra, x)
         eng.reduce_scatter_single(rb, x, R.SUM).wait()
-        same(ra, rb, f"reduce_scatter_tensor {dtype}")
+        same(ra, rb, f"reduce_scatter_tensor {dtype}", ps.chunk(ps.expected_reduce("SUM", inputs, dtype), n, rank))
         aa, ab = torch.empty_like(x), torch.empty_like(x)
         dist.all_to_all_single(aa, x)
         eng.all_to_all_single(ab, x, [], []).wait()
-        same(aa, ab, f"all_to_all_single {dtype}")
+        same(aa, ab, f"all_to_all_single {dtype}", torch.cat([ps.chunk(t, n, rank) for t in inputs]))
         a, b = x.clone(), x.clone()
         dist.reduce(a, dst=0)
         eng.reduce(b, 0, R.SUM).wait()
         if rank == 0:
-            same(a, b, f"reduce {dtype}")
+            same(a, b, f"reduce {dtype}", ps.expected_reduce("SUM", inputs, dtype))
     # point to point as batch_isend_irecv does it: both directions, one NCCL group
     peer_to, peer_from = (rank + 1) % n, (rank - 1) % n
     s = torch.full((1 << 20,), float(rank), device=dev)
