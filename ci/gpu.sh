@@ -44,4 +44,5 @@ while [ $# -gt 0 ]; do
   shift
 done
 command -v "$PY" >/dev/null || die "no $PY: set PYTHON to the interpreter with torch"
+export PYTHONUNBUFFERED=1
 exec "$PY" ci/gpu_device.py "$MODE" ${ARGS[@]+"${ARGS[@]}"}

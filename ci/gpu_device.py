@@ -309,14 +309,15 @@ def check_pack(pack: Path, facts: dict, shown: str | None = None) -> tuple[dict 
     return manifest, problems
 
 
-def preflight(pack: Path, python: str, shown: str | None = None) -> tuple[dict | None, dict, list[Problem]]:
+def preflight(pack: Path, python: str, shown: str | None = None,
+              timeout: float = PROBE_TIMEOUT) -> tuple[dict | None, dict, list[Problem]]:
     """(manifest, facts, problems); ``shown``: the pack's name as the user gave it."""
     try:
         peek = load_manifest(pack)
     except Refused:
         peek = None
     modules = sorted({e["module"] for e in (peek or {}).get("files", []) if e.get("module")} | {"pytest"})
-    facts = gather_facts(python, modules)
+    facts = gather_facts(python, modules, timeout)
     manifest, pack_problems = check_pack(pack, facts, shown)
     target = {**TARGET, **((manifest or {}).get("target") or {})}
     return manifest, facts, check(facts, target, python) + pack_problems
@@ -401,8 +402,11 @@ import torch
 torch.cuda.init()
 out = {"mapped": proof_settings.mapped_libnccl(), "torch_nccl": list(torch.cuda.nccl.version())}
 try:
-    from hpct.distributed import nccl_lib
-    lib = nccl_lib.load()
+    try:     # the engine split moved load() into nccl_find; older wheels keep it in nccl_lib
+        from hpct.distributed.nccl_find import load
+    except ImportError:
+        from hpct.distributed.nccl_lib import load
+    lib = load()
     out.update(hpct_path=os.path.realpath(lib.path), hpct_how=lib.how, hpct_version=lib.version,
                rootless=lib.has_rootless)
 except Exception as e:
@@ -501,9 +505,12 @@ def main(argv: list[str] | None = None) -> int:
         args = ap.parse_args(argv)
     except SystemExit as exc:
         return EXIT_USAGE if exc.code else 0
+    sys.stdout.reconfigure(line_buffering=True)     # the device tool returns the tail as it was printed
     started = time.monotonic()
     pack, work = args.pack.absolute(), args.work.absolute()
-    manifest, facts, problems = preflight(pack, args.python, str(args.pack))
+    # The probe may take at most half the budget: a torch that hangs on import must not eat the call.
+    probe_s = min(PROBE_TIMEOUT, max(30.0, args.budget_s / 2))
+    manifest, facts, problems = preflight(pack, args.python, str(args.pack), probe_s)
     record = args.json or (args.report / "preflight.json" if args.command == "run" else None)
     if record:
         record.parent.mkdir(parents=True, exist_ok=True)

@@ -200,11 +200,6 @@ def build_wheel(root: Path, python312: Path, logs: Path, env: dict) -> tuple[Pat
     return wheel, seconds
 
 
-def existing_wheel(root: Path) -> Path | None:
-    found = sorted((root / "dist").glob("hpct-*-cp312-cp312-*.whl"))
-    return found[-1] if found else None
-
-
 def fetch_test_wheels(cache: Path) -> list[tuple[Path, str]]:
     """The pinned pytest wheels (pure Python), downloaded once with pip."""
     cache.mkdir(parents=True, exist_ok=True)
@@ -470,7 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit-mib", type=float, default=LIMIT_MIB)
     ap.add_argument("--margin-mib", type=float, default=MARGIN_MIB)
     ap.add_argument("--python312", default=os.environ.get("PACK_PYTHON"), help="CPython 3.12 for the wheel")
-    ap.add_argument("--reuse", action="store_true", help="reuse a NCCL build and wheel made with these settings")
+    ap.add_argument("--reuse", action="store_true",
+                    help="reuse a NCCL build made with these settings (the wheel is always rebuilt: it carries "
+                         "this checkout's hpct, and its build is incremental)")
     ap.add_argument("--workdir", type=Path, default=None,
                     help="build NCCL in this folder (hpct-build --workdir), not in the checkout's third_party/")
     ap.add_argument("--no-test-wheels", action="store_true", help="carry no pytest (the device's python has it)")
@@ -495,11 +492,7 @@ def main(argv: list[str] | None = None) -> int:
             (prefix, stamp), times["nccl_build_s"] = found, None
         else:
             prefix, stamp, times["nccl_build_s"] = build_nccl(root, funcs, args.cuda_arch, logs, env, workdir)
-        wheel = existing_wheel(root) if args.reuse else None
-        if wheel is None:
-            wheel, times["wheel_build_s"] = build_wheel(root, py312, logs, env)
-        else:
-            times["wheel_build_s"] = None
+        wheel, times["wheel_build_s"] = build_wheel(root, py312, logs, env)
         work = root / "build" / "gpu-pack-work"
         shutil.rmtree(work, ignore_errors=True)
         lib = work / "libnccl.so.2"

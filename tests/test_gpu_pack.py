@@ -427,3 +427,13 @@ def test_the_runner_runs_the_packs_tests_and_stops_them_at_the_budget(tmp_path):
     t0 = time.monotonic()
     rc = gpu_device.run_tests(sys.executable, tmp_path / "run", env, [t + "test_hangs"], lines.append, 5, logfile)
     assert rc == 124 and time.monotonic() - t0 < 60 and "stopped" in lines[-1]
+
+
+def test_reuse_takes_only_a_build_made_with_the_same_settings(tmp_path):
+    install = tmp_path / "third_party" / "build" / "nccl-2.30.7" / "install"
+    install.mkdir(parents=True)
+    (install / "hpct-series.json").write_text(json.dumps({"funcs": ps.PROOF_FUNCS, "cuda": "13.0", "cuda_archs": ["90"]}))
+    assert gpu_pack.built_nccl(tmp_path, ps.PROOF_FUNCS, "90") == (install, json.loads((install / "hpct-series.json").read_text()))
+    assert gpu_pack.built_nccl(tmp_path, None, "90") is None                 # --funcs all asked, proof built
+    assert gpu_pack.built_nccl(tmp_path, ps.PROOF_FUNCS, "100") is None
+    assert gpu_pack.resolve_funcs("proof") == ps.PROOF_FUNCS and gpu_pack.resolve_funcs("all") is None
