@@ -179,8 +179,8 @@ def build_nccl(root: Path, funcs: str | None, arch: str, logs: Path, env: dict,
     return prefix, stamp, seconds
 
 
-def built_nccl(build_root: Path, funcs: str | None, arch: str) -> tuple[Path, dict] | None:
-    """An existing build made with exactly these settings (--reuse)."""
+def built_nccl(build_root: Path, funcs: str | None, arch: str, series: str | None = None) -> tuple[Path, dict] | None:
+    """An existing build made with exactly these settings and, when given, this patch series (--reuse)."""
     prefix = build_root / "third_party" / "build" / f"nccl-{NCCL_VERSION}" / "install"
     try:
         stamp = json.loads((prefix / "hpct-series.json").read_text())
@@ -188,7 +188,24 @@ def built_nccl(build_root: Path, funcs: str | None, arch: str) -> tuple[Path, di
         return None
     if stamp.get("funcs") != funcs or stamp.get("cuda") != CUDA or stamp.get("cuda_archs") != [arch]:
         return None
+    if series is not None and stamp.get("series_id") != series:
+        return None
     return prefix, stamp
+
+
+_SERIES = ("import sys; from pathlib import Path; from hpct.builder.layout import resolve_layout; "
+           "from hpct.builder.sources import load_manifest; from hpct.builder.patches import load_series; "
+           "l = resolve_layout(Path(sys.argv[1]), None); print(load_series(l, load_manifest(l, 'nccl', sys.argv[2])).identity())")
+
+
+def series_id(root: Path) -> str:
+    """The identity of this checkout's NCCL series (what hpct-build stamps a build with)."""
+    proc = subprocess.run([sys.executable, "-c", _SERIES, str(root), NCCL_VERSION], capture_output=True, text=True,
+                          timeout=120, cwd=root)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        raise Refused(f"cannot read this checkout's NCCL {NCCL_VERSION} series: {proc.stderr.strip()[-300:]}",
+                      "run from an hpct checkout (patches/nccl/)")
+    return proc.stdout.split()[-1]
 
 
 def build_wheel(root: Path, python312: Path, logs: Path, env: dict) -> tuple[Path, float]:
@@ -487,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
         check_source(env, workdir or root)
         py312 = check_python312(args.python312, root)
         times = {}
-        found = built_nccl(workdir or root, funcs, args.cuda_arch) if args.reuse else None
+        # --reuse: only a build of this checkout's series (an older series' library would not be the code here).
+        found = built_nccl(workdir or root, funcs, args.cuda_arch, series_id(root)) if args.reuse else None
         if found:
             (prefix, stamp), times["nccl_build_s"] = found, None
         else:

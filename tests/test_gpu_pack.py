@@ -436,4 +436,9 @@ def test_reuse_takes_only_a_build_made_with_the_same_settings(tmp_path):
     assert gpu_pack.built_nccl(tmp_path, ps.PROOF_FUNCS, "90") == (install, json.loads((install / "hpct-series.json").read_text()))
     assert gpu_pack.built_nccl(tmp_path, None, "90") is None                 # --funcs all asked, proof built
     assert gpu_pack.built_nccl(tmp_path, ps.PROOF_FUNCS, "100") is None
+    (install / "hpct-series.json").write_text(json.dumps({"funcs": None, "cuda": "13.0", "cuda_archs": ["90"],
+                                                          "series_id": "0123abcd"}))
+    assert gpu_pack.built_nccl(tmp_path, None, "90", "0123abcd") is not None
+    assert gpu_pack.built_nccl(tmp_path, None, "90", "fedc9876") is None     # another patch series: rebuild
+    assert re.fullmatch(r"[0-9a-f]{16}", gpu_pack.series_id(REPO))
     assert gpu_pack.resolve_funcs("proof") == ps.PROOF_FUNCS and gpu_pack.resolve_funcs("all") is None
