@@ -18,9 +18,7 @@ Exit codes: 0 ok, 1 a proof test failed, 2 bad arguments, 3 the preflight refuse
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import lzma
 import os
 import shutil
 import signal
@@ -29,18 +27,17 @@ import sys
 import threading
 import time
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))     # beside it, in ci/ and in the pack
+from gpu_packfmt import Problem, Refused, load_manifest, unpack_file, verify_stored  # noqa: E402
 
 # What the proof runs on: the device image (KINDS.md) and what the pack is built for.  The pack
 # writes its own copy into the manifest ("target"); the manifest's wins when there is one.
 TARGET = {"python": "3.12", "torch": "2.11", "cuda": "13.0", "sm": "90", "driver_min": 580,
           "nccl": "2.30.7"}
-MANIFEST = "manifest.json"
-SCHEMA = 1
 EXIT_PROOF, EXIT_USAGE, EXIT_PREFLIGHT = 1, 2, 3
 PROBE_TIMEOUT = 180          # importing a CUDA torch and creating a context: seconds, not minutes
-CHUNK = 1 << 20
 
 # The proof's phases: node ids of tests/gpu/test_gpu_proof.py ("library" is run_library_check).
 # smoke first (one minute: does the pack load, does one collective agree), then the proof at
@@ -57,99 +54,6 @@ PHASES = {
              _T + "test_bus_bandwidth_table[2]"],
 }
 PHASES["all"] = PHASES["smoke"] + PHASES["proof"]
-
-
-class Refused(Exception):
-    """The pack or the machine cannot run the proof; the message names the fix."""
-
-
-@dataclass
-class Problem:
-    what: str
-    detail: str
-    fix: str
-
-    def __str__(self) -> str:
-        return f"{self.what}: {self.detail}\n    fix: {self.fix}"
-
-
-# ------------------------------------------------------------------------------ the manifest
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(CHUNK), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def load_manifest(pack: Path) -> dict:
-    """The pack's manifest: DIR/manifest.json, else the copy in each carried call-N/ folder
-    (a pack split across calls carries one folder per call, each with the same manifest)."""
-    copies = [pack / MANIFEST] if (pack / MANIFEST).is_file() else sorted(pack.glob(f"call-*/{MANIFEST}"))
-    if not copies:
-        raise Refused(f"no pack at {pack} (no {MANIFEST}, nor call-*/{MANIFEST})")
-    texts = {c.read_text() for c in copies}
-    if len(texts) != 1:
-        raise Refused(f"the manifests in {pack} differ ({', '.join(str(c) for c in copies)}): parts of "
-                      "two different packs")
-    try:
-        manifest = json.loads(texts.pop())
-    except ValueError as err:
-        raise Refused(f"{copies[0]} is not JSON ({err})") from None
-    if manifest.get("schema") != SCHEMA:
-        raise Refused(f"{copies[0]}: schema {manifest.get('schema')!r}, this script reads {SCHEMA}")
-    return manifest
-
-
-def verify_stored(pack: Path, manifest: dict) -> list[Problem]:
-    """Every stored file (each part of each file) present with its size and sha256."""
-    problems = []
-    fix_damaged = "the pack was damaged or changed after packing: build it again (ci/gpu.sh --pack) and carry it"
-    for entry in manifest["files"]:
-        for part in entry["parts"]:
-            p = pack / part["path"]
-            if not p.is_file():
-                problems.append(Problem("pack", f"{p} is missing (part of {entry['path']}, carried by call "
-                                        f"{part['call']})", f"carry {pack}/call-{part['call']} in this call"))
-                continue
-            size = p.stat().st_size
-            if size != part["size"]:
-                problems.append(Problem("pack", f"{p}: {size} bytes, the manifest says {part['size']}", fix_damaged))
-                continue
-            digest = sha256_of(p)
-            if digest != part["sha256"]:
-                problems.append(Problem("pack", f"{p}: sha256 {digest}, the manifest says {part['sha256']}",
-                                        fix_damaged))
-    return problems
-
-
-def unpack_file(pack: Path, entry: dict, dest: Path) -> Path:
-    """Reassemble one file from its parts, decompress, verify size and sha256; write atomically."""
-    out = dest / entry["path"]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    h, size = hashlib.sha256(), 0
-    dec = lzma.LZMADecompressor() if entry["codec"] == "xz" else None
-    if entry["codec"] not in ("xz", "none"):
-        raise Refused(f"{entry['path']}: unknown codec {entry['codec']!r} (this script knows xz, none)")
-    with open(tmp, "wb") as f:
-        for part in entry["parts"]:
-            with open(pack / part["path"], "rb") as src:
-                for block in iter(lambda: src.read(CHUNK), b""):
-                    data = dec.decompress(block) if dec else block
-                    h.update(data)
-                    size += len(data)
-                    f.write(data)
-    if dec is not None and not dec.eof:
-        tmp.unlink()
-        raise Refused(f"{entry['path']}: the xz stream ends early (a part is missing or cut)")
-    if size != entry["size"] or h.hexdigest() != entry["sha256"]:
-        tmp.unlink()
-        raise Refused(f"{entry['path']}: unpacked {size} bytes with sha256 {h.hexdigest()}, the manifest "
-                      f"says {entry['size']} bytes, {entry['sha256']}")
-    os.chmod(tmp, entry.get("mode", 0o644))
-    os.replace(tmp, out)
-    return out
 
 
 # ------------------------------------------------------------------------------ the machine

@@ -19,31 +19,24 @@ Exit codes: 0 packed, 2 bad arguments, 4 refused (toolchain, inputs or size), 5 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import lzma
 import os
 import re
 import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-import gpu_device  # noqa: E402  (the manifest's reader; one definition of the format)
+import gpu_device  # noqa: E402  (the device side: its target, the runner the pack carries)
+from gpu_packfmt import LIMIT_MIB, MIB, Refused, Source, pack, xz  # noqa: E402
 
-MIB = 1 << 20
-LIMIT_MIB = 64            # the device tool's carry limit per call (tracked tree + carried paths)
 MARGIN_MIB = 4            # the checkout that calls the device may hold a little more than this one
 NCCL_VERSION = "2.30.7"
 CUDA = "13.0"
-XZ_PRESET = 9
-MIN_SAVING = 0.05         # store a file as it is unless xz saves at least this fraction
-MANIFEST_ALLOWANCE = 256 * 1024     # each call carries a manifest copy
 EXIT_REFUSED, EXIT_BUILD = 4, 5
 # The proof's pytest and what it needs, installed on the device only where its python lacks them.
 TEST_WHEELS = (("pytest", "9.0.3", "pytest"), ("pluggy", "1.6.0", "pluggy"), ("iniconfig", "2.3.0", "iniconfig"),
@@ -51,10 +44,6 @@ TEST_WHEELS = (("pytest", "9.0.3", "pytest"), ("pluggy", "1.6.0", "pluggy"), ("i
 PROOF_FILES = ("tests/gpu/test_gpu_proof.py", "tests/gpu/worker.py", "tests/gpu/proof_settings.py")
 PYTEST_INI = ("[pytest]\n# The GPU proof's own configuration (the checkout's tests/conftest.py is not used).\n"
               "markers =\n    gpu: needs a CUDA device\naddopts = -ra --strict-markers -p no:cacheprovider\n")
-
-
-class Refused(Exception):
-    """Bad input or a pack that cannot fit; the message names the fix."""
 
 
 def _load_settings():
@@ -270,162 +259,6 @@ def check_library(lib: Path, cuda_home: Path, version: str) -> None:
 
 
 # ------------------------------------------------------------------------------ the pack
-@dataclass
-class Source:
-    """One logical file of the pack."""
-    path: str                # where it lands on the device (under the install's files/)
-    src: Path
-    role: str
-    module: str | None = None
-    mode: int = 0o644
-
-
-@dataclass
-class Stored:
-    source: Source
-    size: int
-    sha256: str
-    codec: str
-    blob: Path               # the stored form (compressed or a copy)
-    blob_size: int
-    seconds: float = 0.0
-    parts: list = field(default_factory=list)
-
-
-def sha256_of(path: Path) -> str:
-    return gpu_device.sha256_of(path)
-
-
-def xz(src: Path, dst: Path, preset: int = XZ_PRESET) -> float:
-    t0 = time.monotonic()
-    comp = lzma.LZMACompressor(format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64, preset=preset)
-    with open(src, "rb") as f, open(dst, "wb") as out:
-        for block in iter(lambda: f.read(gpu_device.CHUNK), b""):
-            out.write(comp.compress(block))
-        out.write(comp.flush())
-    return time.monotonic() - t0
-
-
-def store(source: Source, work: Path, compress: bool = True) -> Stored:
-    """The stored form of one file: xz when that saves MIN_SAVING, else the file as it is."""
-    size, digest = source.src.stat().st_size, sha256_of(source.src)
-    work.mkdir(parents=True, exist_ok=True)
-    blob = work / (hashlib.sha256(source.path.encode()).hexdigest()[:16] + ".blob")
-    seconds = 0.0
-    if compress and size > 4096:
-        seconds = xz(source.src, blob)
-        if blob.stat().st_size <= size * (1 - MIN_SAVING):
-            return Stored(source, size, digest, "xz", blob, blob.stat().st_size, seconds)
-    shutil.copyfile(source.src, blob)
-    return Stored(source, size, digest, "none", blob, size, seconds)
-
-
-def plan_calls(stored: list[Stored], budget: int, max_calls: int) -> int:
-    """Cut stored blobs into parts of at most ``budget - MANIFEST_ALLOWANCE`` bytes and place
-    them into calls (first fit, largest first); returns the number of calls.  Refuses, naming
-    the largest files, when more than ``max_calls`` would be needed."""
-    room = budget - MANIFEST_ALLOWANCE
-    total = sum(s.blob_size for s in stored)
-    largest = sorted(stored, key=lambda s: s.blob_size, reverse=True)[:3]
-    names = ", ".join(f"{s.source.path} ({s.blob_size / MIB:.1f} MiB stored, {s.size / MIB:.1f} MiB unpacked)"
-                      for s in largest)
-    if room <= 0:
-        raise Refused(f"no room for a pack: the budget per call is {budget / MIB:.1f} MiB",
-                      "carry a smaller working tree, or lower --margin-mib")
-    pieces = []
-    for s in stored:
-        s.parts = []
-        offsets = range(0, max(s.blob_size, 1), room)
-        for i, off in enumerate(offsets):
-            piece = {"stored": s, "index": i, "offset": off, "size": min(room, s.blob_size - off),
-                     "split": len(offsets) > 1}
-            s.parts.append(piece)
-            pieces.append(piece)
-    calls: list[int] = []
-    for piece in sorted(pieces, key=lambda p: p["size"], reverse=True):
-        for i, used in enumerate(calls):
-            if used + piece["size"] <= room:
-                calls[i] += piece["size"]
-                piece["call"] = i + 1
-                break
-        else:
-            calls.append(piece["size"])
-            piece["call"] = len(calls)
-    if len(calls) > max_calls:
-        raise Refused(f"the pack is {total / MIB:.1f} MiB stored, more than {max_calls} call(s) of "
-                      f"{budget / MIB:.1f} MiB each carry ({LIMIT_MIB} MiB per call less the working tree and "
-                      f"the margin); largest: {names}",
-                      "build only the proof's functions (--funcs proof), or split across back-to-back calls "
-                      f"(--max-calls {len(calls)})")
-    return len(calls)
-
-
-def carry_path(dest: Path, root: Path = ROOT) -> str:
-    """How a device call names ``dest``: relative to the checkout's root (the tool's carry)."""
-    try:
-        return str(dest.resolve().relative_to(root.resolve()))
-    except ValueError:
-        return str(dest)
-
-
-def write_pack(stored: list[Stored], dest: Path, n_calls: int, meta: dict) -> dict:
-    """Write the parts and the manifest into a staging folder, then rename it into ``dest``."""
-    if dest.exists() and not (dest / gpu_device.MANIFEST).is_file() and any(dest.iterdir()):
-        raise Refused(f"{dest} exists and is not a pack (no {gpu_device.MANIFEST})",
-                      "name a new or empty folder, e.g. build/gpu-pack")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    staging = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    files = []
-    for s in stored:
-        suffix = ".xz" if s.codec == "xz" else ""
-        parts = []
-        with open(s.blob, "rb") as blob:
-            for piece in s.parts:
-                rel = f"call-{piece['call']}/{s.source.path}{suffix}" + (f".part{piece['index']:03d}" if piece["split"] else "")
-                out = staging / rel
-                out.parent.mkdir(parents=True, exist_ok=True)
-                blob.seek(piece["offset"])
-                out.write_bytes(blob.read(piece["size"]))
-                parts.append({"path": rel, "size": piece["size"], "sha256": sha256_of(out), "call": piece["call"]})
-        entry = {"path": s.source.path, "size": s.size, "sha256": s.sha256, "codec": s.codec, "role": s.source.role,
-                 "mode": s.source.mode, "stored_size": s.blob_size, "parts": parts}
-        if s.source.module:
-            entry["module"] = s.source.module
-        files.append(entry)
-    ident = hashlib.sha256(json.dumps([[f["path"], f["sha256"]] for f in files]).encode()).hexdigest()[:16]
-    calls = [{"call": c, "bytes": sum(p["size"] for f in files for p in f["parts"] if p["call"] == c),
-              "carry": f"{carry_path(dest)}/call-{c}"} for c in range(1, n_calls + 1)]
-    manifest = {"schema": gpu_device.SCHEMA, "pack_id": ident, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                **meta, "files": files, "calls": calls,
-                "total_bytes": sum(f["size"] for f in files),
-                "total_stored_bytes": sum(f["stored_size"] for f in files)}
-    text = json.dumps(manifest, indent=1) + "\n"
-    _write_atomic(staging / gpu_device.MANIFEST, text)
-    for c in range(1, n_calls + 1):
-        _write_atomic(staging / f"call-{c}" / gpu_device.MANIFEST, text)
-    for c in calls:       # the invariant the device tool's limit needs, checked on what was written
-        carried = sum(p.stat().st_size for p in (staging / f"call-{c['call']}").rglob("*") if p.is_file())
-        if carried > meta.get("budget_bytes", carried):
-            shutil.rmtree(staging, ignore_errors=True)
-            raise Refused(f"call {c['call']} would carry {carried} bytes, over the budget of {meta['budget_bytes']} "
-                          f"(its manifest copy is larger than the {MANIFEST_ALLOWANCE} bytes set aside)",
-                          "raise MANIFEST_ALLOWANCE in ci/gpu_pack.py")
-    old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-    if dest.exists():
-        os.replace(dest, old)
-    os.replace(staging, dest)
-    shutil.rmtree(old, ignore_errors=True)
-    return manifest
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def tree_bytes(root: Path) -> int:
     """What travels with every device call besides the carried paths: tracked files and
     untracked files git does not ignore."""
@@ -440,20 +273,6 @@ def tree_bytes(root: Path) -> int:
         if p.is_file() and not p.is_symlink():
             total += p.stat().st_size
     return total
-
-
-def pack(sources: list[Source], dest: Path, *, limit: int, tree: int, margin: int, max_calls: int,
-         meta: dict, work: Path, compress: bool = True) -> dict:
-    """Store, plan, write: the whole packing step, for real files or a test's small ones."""
-    budget = limit - tree - margin
-    stored = [store(s, work, compress) for s in sources]
-    n_calls = plan_calls(stored, budget, max_calls)
-    meta = {**meta, "limit_bytes": limit, "tree_bytes": tree, "margin_bytes": margin, "budget_bytes": budget,
-            "compress_seconds": round(sum(s.seconds for s in stored), 1)}
-    try:
-        return write_pack(stored, dest, n_calls, meta)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def measure_library(lib: Path, work: Path) -> dict:
@@ -530,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         ini = work / "pytest.ini"
         ini.write_text(PYTEST_INI)
         sources += [Source("proof/pytest.ini", ini, "proof"),
-                    Source("proof/gpu_device.py", HERE / "gpu_device.py", "runner", mode=0o755)]
+                    Source("proof/gpu_device.py", HERE / "gpu_device.py", "runner", mode=0o755),
+                    Source("proof/gpu_packfmt.py", HERE / "gpu_packfmt.py", "runner")]
         meta = {"target": {**gpu_device.TARGET, "sm": args.cuda_arch}, "libnccl": "nccl/lib/libnccl.so.2",
                 "build": {"nccl_funcs": funcs or "all", "nvcc": nvcc_text, "nccl_series": stamp.get("series_id"),
                           "nccl_gencode": stamp.get("nvcc_gencode"), "wheel": wheel.name,

@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO / "ci"))
 import proof_settings as ps  # noqa: E402  (tests/gpu and ci/ are folders of scripts, not packages)
 import gpu_device  # noqa: E402
 import gpu_pack  # noqa: E402
+import gpu_packfmt  # noqa: E402
 
 torch = pytest.importorskip("torch")
 KIB = 1024
@@ -220,7 +221,7 @@ def test_the_library_check_wants_one_libnccl_shared_by_both_stacks(tmp_path):
 # ---------------------------------------------------------------------------- the pack
 @pytest.fixture
 def small_allowance(monkeypatch):
-    monkeypatch.setattr(gpu_pack, "MANIFEST_ALLOWANCE", 8 * KIB)
+    monkeypatch.setattr(gpu_packfmt, "MANIFEST_ALLOWANCE", 8 * KIB)
 
 
 def blob(path: Path, size: int, compressible: bool = False, seed: int = 0) -> Path:
@@ -231,15 +232,15 @@ def blob(path: Path, size: int, compressible: bool = False, seed: int = 0) -> Pa
 
 
 def make_pack(tmp_path: Path, sizes: dict, *, limit: int, max_calls: int = 1, compressible=()) -> dict:
-    sources = [gpu_pack.Source(name, blob(tmp_path / "in" / name, size, name in compressible, seed=i), "proof")
+    sources = [gpu_packfmt.Source(name, blob(tmp_path / "in" / name, size, name in compressible, seed=i), "proof")
                for i, (name, size) in enumerate(sizes.items())]
-    return gpu_pack.pack(sources, tmp_path / "pack", limit=limit, tree=10 * KIB, margin=6 * KIB,
+    return gpu_packfmt.pack(sources, tmp_path / "pack", limit=limit, tree=10 * KIB, margin=6 * KIB,
                          max_calls=max_calls, meta={"target": gpu_device.TARGET, "libnccl": "x"},
                          work=tmp_path / "work")
 
 
 def test_a_pack_over_the_limit_is_refused_naming_the_largest_files(tmp_path, small_allowance):
-    with pytest.raises(gpu_pack.Refused) as err:
+    with pytest.raises(gpu_packfmt.Refused) as err:
         make_pack(tmp_path, {"nccl/lib/libnccl.so.2": 300 * KIB, "wheels/hpct.whl": 90 * KIB, "proof/a.py": 5 * KIB},
                   limit=200 * KIB)
     problem, fix = err.value.args
@@ -262,16 +263,16 @@ def test_split_parts_reassemble_to_the_same_sha256(tmp_path, small_allowance):
         folder = pack / f"call-{call['call']}"
         carried = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
         assert carried <= budget and json.loads((folder / "manifest.json").read_text()) == manifest
-    assert gpu_device.verify_stored(pack, gpu_device.load_manifest(pack)) == []
+    assert gpu_packfmt.verify_stored(pack, gpu_packfmt.load_manifest(pack)) == []
     out = tmp_path / "unpacked"
     for entry in manifest["files"]:
-        got = gpu_device.unpack_file(pack, entry, out)
-        assert gpu_device.sha256_of(got) == gpu_device.sha256_of(tmp_path / "in" / entry["path"]) == entry["sha256"]
+        got = gpu_packfmt.unpack_file(pack, entry, out)
+        assert gpu_packfmt.sha256_of(got) == gpu_packfmt.sha256_of(tmp_path / "in" / entry["path"]) == entry["sha256"]
     # The device got only the first call's folder: the preflight says what to carry.
     for c in manifest["calls"][1:]:
         shutil.rmtree(pack / f"call-{c['call']}")
     (pack / "manifest.json").unlink()
-    missing = gpu_device.verify_stored(pack, gpu_device.load_manifest(pack))
+    missing = gpu_packfmt.verify_stored(pack, gpu_packfmt.load_manifest(pack))
     assert missing and all("is missing" in p.detail and "carry" in p.fix for p in missing)
 
 
@@ -284,14 +285,14 @@ def test_compressible_files_are_stored_as_xz_and_come_back_bit_for_bit(tmp_path,
     assert manifest["total_stored_bytes"] == sum(f["stored_size"] for f in manifest["files"])
     assert manifest["total_bytes"] == 128 * KIB and len(manifest["calls"]) == 1
     for entry in manifest["files"]:
-        got = gpu_device.unpack_file(tmp_path / "pack", entry, tmp_path / "out")
+        got = gpu_packfmt.unpack_file(tmp_path / "pack", entry, tmp_path / "out")
         assert got.read_bytes() == (tmp_path / "in" / entry["path"]).read_bytes()
 
 
 def test_a_damaged_pack_is_refused_by_sha256(tmp_path, small_allowance):
     make_pack(tmp_path, {"proof/a.py": 40 * KIB, "proof/b.py": 20 * KIB}, limit=400 * KIB, compressible={"proof/a.py"})
     pack = tmp_path / "pack"
-    manifest = gpu_device.load_manifest(pack)
+    manifest = gpu_packfmt.load_manifest(pack)
     part = pack / manifest["files"][1]["parts"][0]["path"]
     data = bytearray(part.read_bytes())
     data[100] ^= 1
@@ -300,24 +301,24 @@ def test_a_damaged_pack_is_refused_by_sha256(tmp_path, small_allowance):
     assert len(found) == 1 and "sha256" in found[0].detail and str(part) in found[0].detail
     assert "build it again" in found[0].fix
     entry = manifest["files"][1]
-    with pytest.raises(gpu_device.Refused, match="the manifest says"):
-        gpu_device.unpack_file(pack, entry, tmp_path / "out")
+    with pytest.raises(gpu_packfmt.Refused, match="the manifest says"):
+        gpu_packfmt.unpack_file(pack, entry, tmp_path / "out")
     assert not (tmp_path / "out" / entry["path"]).exists()                           # nothing half-written
 
 
 def test_a_pack_is_replaced_atomically_and_never_over_a_foreign_folder(tmp_path, small_allowance):
     first = make_pack(tmp_path, {"proof/a.py": 10 * KIB}, limit=400 * KIB)
     (tmp_path / "in" / "proof" / "a.py").write_bytes(b"changed")
-    second = gpu_pack.pack([gpu_pack.Source("proof/a.py", tmp_path / "in" / "proof" / "a.py", "proof")],
+    second = gpu_packfmt.pack([gpu_packfmt.Source("proof/a.py", tmp_path / "in" / "proof" / "a.py", "proof")],
                            tmp_path / "pack", limit=400 * KIB, tree=0, margin=0, max_calls=1,
                            meta={}, work=tmp_path / "w")
-    assert first["pack_id"] != second["pack_id"] == gpu_device.load_manifest(tmp_path / "pack")["pack_id"]
+    assert first["pack_id"] != second["pack_id"] == gpu_packfmt.load_manifest(tmp_path / "pack")["pack_id"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []   # no staging left
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep")
-    with pytest.raises(gpu_pack.Refused, match="exists and is not a pack"):
-        gpu_pack.pack([gpu_pack.Source("proof/a.py", tmp_path / "in" / "proof" / "a.py", "proof")], foreign,
+    with pytest.raises(gpu_packfmt.Refused, match="exists and is not a pack"):
+        gpu_packfmt.pack([gpu_packfmt.Source("proof/a.py", tmp_path / "in" / "proof" / "a.py", "proof")], foreign,
                       limit=400 * KIB, tree=0, margin=0, max_calls=1, meta={}, work=tmp_path / "w")
     assert (foreign / "notes.txt").read_text() == "keep"
 
@@ -345,21 +346,21 @@ def test_nvcc_must_be_exactly_cuda_13_0(tmp_path):
         if ok:
             assert gpu_pack.check_nvcc({"CUDA_HOME": str(tmp_path)})[0] == nvcc
         else:
-            with pytest.raises(gpu_pack.Refused, match=f"is CUDA {release}, not exactly 13.0"):
+            with pytest.raises(gpu_packfmt.Refused, match=f"is CUDA {release}, not exactly 13.0"):
                 gpu_pack.check_nvcc({"CUDA_HOME": str(tmp_path)})
-    with pytest.raises(gpu_pack.Refused, match="no nvcc at"):
+    with pytest.raises(gpu_packfmt.Refused, match="no nvcc at"):
         gpu_pack.check_nvcc({"CUDA_HOME": str(tmp_path / "nothing")})
 
 
 def test_the_pack_refuses_missing_inputs(tmp_path):
-    with pytest.raises(gpu_pack.Refused) as err:
+    with pytest.raises(gpu_packfmt.Refused) as err:
         gpu_pack.check_source({}, tmp_path)
     assert "source is not handed over" in err.value.args[0] and "HPCT_NCCL_SOURCE=" in err.value.args[1]
     gpu_pack.check_source({"HPCT_NCCL_SOURCE": "/x/nccl-2.30.7-1.tar.gz"}, tmp_path)
-    with pytest.raises(gpu_pack.Refused, match="no Python 3.12"):
+    with pytest.raises(gpu_packfmt.Refused, match="no Python 3.12"):
         gpu_pack.check_python312(None, tmp_path)
     if sys.version_info[:2] != (3, 12):
-        with pytest.raises(gpu_pack.Refused, match=r"not 3\.12"):
+        with pytest.raises(gpu_packfmt.Refused, match=r"not 3\.12"):
             gpu_pack.check_python312(sys.executable, tmp_path)
     done = subprocess.run(["bash", str(REPO / "ci" / "gpu.sh"), "--pack", str(tmp_path / "p"), "--max-calls", "0"],
                           capture_output=True, text=True, timeout=120)
@@ -384,11 +385,11 @@ def tiny_wheel(folder: Path, name: str = "hpct_probe") -> Path:
 def test_install_unpacks_the_pack_and_installs_its_wheels_once(tmp_path, small_allowance):
     wheel = tiny_wheel(tmp_path / "in")
     lib = fake_lib(tmp_path / "in")
-    sources = [gpu_pack.Source("nccl/lib/libnccl.so.2", lib, "libnccl", mode=0o755),
-               gpu_pack.Source(f"wheels/{wheel.name}", wheel, "hpct-wheel"),
-               gpu_pack.Source("wheels/skipped_probe-0.1-py3-none-any.whl",
+    sources = [gpu_packfmt.Source("nccl/lib/libnccl.so.2", lib, "libnccl", mode=0o755),
+               gpu_packfmt.Source(f"wheels/{wheel.name}", wheel, "hpct-wheel"),
+               gpu_packfmt.Source("wheels/skipped_probe-0.1-py3-none-any.whl",
                                tiny_wheel(tmp_path / "in2", "skipped_probe"), "test-wheel", "pytest")]
-    manifest = gpu_pack.pack(sources, tmp_path / "pack", limit=400 * KIB, tree=0, margin=0, max_calls=1,
+    manifest = gpu_packfmt.pack(sources, tmp_path / "pack", limit=400 * KIB, tree=0, margin=0, max_calls=1,
                              meta={"target": gpu_device.TARGET, "libnccl": "nccl/lib/libnccl.so.2"},
                              work=tmp_path / "w")
     lines = []
@@ -403,8 +404,8 @@ def test_install_unpacks_the_pack_and_installs_its_wheels_once(tmp_path, small_a
 
 
 def test_a_manifest_larger_than_its_allowance_is_caught_before_the_pack_lands(tmp_path, monkeypatch):
-    monkeypatch.setattr(gpu_pack, "MANIFEST_ALLOWANCE", 16)
-    with pytest.raises(gpu_pack.Refused, match="over the budget .* manifest copy is larger"):
+    monkeypatch.setattr(gpu_packfmt, "MANIFEST_ALLOWANCE", 16)
+    with pytest.raises(gpu_packfmt.Refused, match="over the budget .* manifest copy is larger"):
         make_pack(tmp_path, {"proof/a.py": 183 * KIB, "proof/b.py": 20 * KIB}, limit=200 * KIB, max_calls=2)
     assert not (tmp_path / "pack").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
