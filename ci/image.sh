@@ -10,6 +10,13 @@
 #  4. run: `hpct doctor` and `hpct demo` in a container of the image, as its non-root user.
 #  5. export: a docker-archive tarball (`docker load -i`), checked with skopeo when installed.
 #
+# --gpu: the GPU variant (docs/container.md): PyPI's newest supported torch, the CUDA build
+# (hpct.requirements.TORCH_NEWEST), with hpct's drop-in nvidia-nccl-cu13 2.30.7+hpct.<series>
+# wheel made from this checkout's NCCL 2.30.7 build (hpct-build build nccl=2.30.7); torch's own
+# pin takes it.  No GPU is needed to build it: doctor checks in the image that torch maps
+# hpct's libnccl.  Default image localhost/hpct:gpu; no demo, no export unless asked
+# (HPCT_IMAGE_SKIP_DEMO=0, HPCT_IMAGE_ARCHIVE).
+#
 # Environment: HPCT_IMAGE (default localhost/hpct:ci), HPCT_IMAGE_ARCHIVE (default
 # build/image/hpct-image.tar), HPCT_IMAGE_BASE, HPCT_DEBIAN_MIRROR, HPCT_BUILDAH_ROOT (a
 # separate buildah storage root), HPCT_IMAGE_SKIP_DEMO=1.
@@ -19,8 +26,20 @@ cd "$(dirname "$0")/.."
 
 SUITE=bookworm
 BASE_PACKAGES=python3,python3-venv,ca-certificates
-IMAGE=${HPCT_IMAGE:-localhost/hpct:ci}
-ARCHIVE=${HPCT_IMAGE_ARCHIVE:-build/image/hpct-image.tar}
+GPU=0
+case "${1:-}" in
+  --gpu) GPU=1 ;;
+  "") ;;
+  *) echo "ci/image.sh: unknown argument '$1'" >&2; echo "  fix: bash ci/image.sh [--gpu]" >&2; exit 2 ;;
+esac
+if [ "$GPU" = 1 ]; then
+  IMAGE=${HPCT_IMAGE:-localhost/hpct:gpu}
+  ARCHIVE=${HPCT_IMAGE_ARCHIVE:-}
+  HPCT_IMAGE_SKIP_DEMO=${HPCT_IMAGE_SKIP_DEMO:-1}
+else
+  IMAGE=${HPCT_IMAGE:-localhost/hpct:ci}
+  ARCHIVE=${HPCT_IMAGE_ARCHIVE:-build/image/hpct-image.tar}
+fi
 WORK=build/image
 LOG=$WORK/build.log
 DEMO_TIMEOUT=600
@@ -39,7 +58,7 @@ have_image() { "${BUILDAH[@]}" inspect --type image "$1" >/dev/null 2>&1; }
 TORCH_VERSION=$(sed -n 's/^ARG TORCH_VERSION=//p' Dockerfile)
 [ -n "$TORCH_VERSION" ] || die "the Dockerfile has no 'ARG TORCH_VERSION=' default" \
   "restore the pin line in the build stage of the Dockerfile"
-mkdir -p "$WORK" "$(dirname "$ARCHIVE")"
+mkdir -p "$WORK" "$(dirname "${ARCHIVE:-$WORK/x}")"
 tmp=$(mktemp -d "$WORK/tmp.XXXXXX")
 ctr=""
 cleanup() {
@@ -103,8 +122,24 @@ if have_image "$BASE"; then
 fi
 abi=cp${pyver/./}
 hpct_pick_python
+extra=""
+pip_for_torch=("$PYTHON" -m pip)
+if [ "$GPU" = 1 ]; then
+  TORCH_VERSION=$(PYTHONPATH="$PWD" "$PYTHON" -c "from hpct.requirements import TORCH_NEWEST; print(TORCH_NEWEST)")
+  # The machine's pip configuration may cap torch (a constraint file): this download runs without it.
+  pip_for_torch=(env PIP_CONFIG_FILE=/dev/null "$PYTHON" -m pip --isolated)
+  nccl_prefix=third_party/build/nccl-2.30.7/install
+  [ -f "$nccl_prefix/lib/libnccl.so.2" ] || die "no NCCL 2.30.7 build in $nccl_prefix for the drop-in wheel" \
+    "build it first: hpct-build build nccl=2.30.7 (docs/nccl-build.md; CUDA 13.0)"
+  rm -f .whl/nvidia_nccl_cu13-*.whl
+  step "nccl: hpct-build wheel nccl=2.30.7 into .whl/"
+  "$PYTHON" -m hpct.builder wheel -q nccl=2.30.7 --dist .whl >"$WORK/nccl-wheel.log" 2>&1 \
+    || die "packaging the NCCL 2.30.7 build failed (log: $WORK/nccl-wheel.log)" "see the log"
+  nccl_wheel=$(basename "$(ls .whl/nvidia_nccl_cu13-*.whl)")
+  extra="nvidia-nccl-cu13==$(echo "$nccl_wheel" | cut -d- -f2)"
+fi
 step "torch==$TORCH_VERSION for Python $pyver: pip download into .whl/"
-if ! "$PYTHON" -m pip download --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
+if ! "${pip_for_torch[@]}" download --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
     --abi "$abi" --platform manylinux_2_28_x86_64 -d .whl "torch==$TORCH_VERSION" >"$WORK/torch.log" 2>&1; then
   tail -n 5 "$WORK/torch.log" >&2
   die "pip finds no torch==$TORCH_VERSION wheel for Python $pyver ($abi, manylinux x86_64)" \
@@ -116,6 +151,7 @@ grep -E '^(Saved|File was already downloaded|Processing)' "$WORK/torch.log" || t
 # dependencies.  The CA bundle pip trusts here (a TLS-inspecting proxy's, say) is lent to the
 # build as the secret pip-ca: mounted for the one RUN step that asks for it, never in a layer.
 build_args=(--build-arg "BASE=$BASE" --build-arg TORCH_INDEX=)
+[ "$GPU" = 0 ] || build_args+=(--build-arg "TORCH_VERSION=$TORCH_VERSION" --build-arg "EXTRA_REQUIREMENTS=$extra")
 # `pip config get global.cert` answers "No such key" for a value from /etc/pip.conf or
 # /etc/xdg/pip/pip.conf; `pip config list` shows the merged configuration.
 pip_cert() { "$PYTHON" -m pip config list 2>/dev/null | sed -n "s/^global\.cert='\(.*\)'\$/\1/p" | tail -n 1; }
@@ -152,6 +188,10 @@ fi
 "${BUILDAH[@]}" rm "$ctr" >/dev/null; ctr=""
 
 # 5. Export for `docker load -i`.
+if [ -z "$ARCHIVE" ]; then
+  echo "ci/image.sh: image $IMAGE: build ${build_s} s, size $size (not exported: set HPCT_IMAGE_ARCHIVE)"
+  exit 0
+fi
 ref=${IMAGE#localhost/}
 step "export: buildah push $IMAGE docker-archive:$ARCHIVE:$ref"
 rm -f "$tmp/image.tar"

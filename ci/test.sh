@@ -20,6 +20,11 @@ tier() {  # tier NAME: print how long the previous tier took, then start NAME
 }
 tier setup
 bash ci/setup.sh --tests
+if [ $# -eq 0 ]; then   # the torch tier's environment downloads meanwhile (its log: build/torch-tier-prepare.log)
+  mkdir -p build
+  timeout 40m bash ci/torch_tier.sh --prepare >build/torch-tier-prepare.log 2>&1 &
+  prepare_pid=$!
+fi
 tier build
 "$PYTHON" -m hpct.builder all
 "$PYTHON" -m hpct.builder build gloo --tests
@@ -31,6 +36,8 @@ rc=0
 timeout --signal=INT --kill-after=60 80m "$PYTHON" -P -m pytest --durations=15 "$@" || rc=$?
 if [ $# -eq 0 ]; then          # the whole suite: also against the newest torch users install
   tier torch
+  wait "$prepare_pid" || echo "ci/test.sh: preparing the torch tier failed (build/torch-tier-prepare.log):" \
+                              "$(tail -n 5 build/torch-tier-prepare.log)"
   bash ci/torch_tier.sh || rc=$?
 fi
 tier ""

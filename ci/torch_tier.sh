@@ -4,6 +4,12 @@
 # at ~/.cache/hpct/venv-torch-<version> (a fresh machine downloads about 2.8 GB once).
 #
 #   bash ci/torch_tier.sh [pytest arguments]      (after ci/test.sh's build: it installs dist/'s wheel)
+#   bash ci/torch_tier.sh --prepare               (only make the environment: ci/test.sh starts this in
+#                                                  the background at the beginning, hiding the download)
+#
+# With an NCCL 2.30.7 build in the checkout (the suite's slow tier makes one), hpct's drop-in
+# nvidia-nccl-cu13 2.30.7+hpct.<series> wheel goes in under torch's own pin (pip's resolver), so
+# the tier runs on what a GPU user of hpct installs; tests/test_torch_nccl.py checks it.
 #
 # The machine's pip configuration caps torch below it (a constraint file): this tier's pip runs
 # without it (PIP_CONFIG_FILE=/dev/null, --isolated); certificates still come from the environment.
@@ -12,15 +18,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . ci/python.sh
 hpct_pick_python
-version=$("$PYTHON" -P -c "from hpct.requirements import TORCH_NEWEST; print(TORCH_NEWEST)")
+prepare_only=0
+if [ "${1:-}" = "--prepare" ]; then prepare_only=1; shift; fi
+# From the checkout: --prepare runs before the hpct wheel is built.
+version=$(PYTHONPATH="$PWD" "$PYTHON" -c "from hpct.requirements import TORCH_NEWEST; print(TORCH_NEWEST)")
 tag=$("$PYTHON" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
   echo "ci/torch_tier.sh: torch $version needs Python 3.11 or newer; $PYTHON is older: tier skipped" >&2
   exit 0
 fi
-wheel=$(ls -t dist/hpct-*-"$tag"-*.whl 2>/dev/null | head -n1 || true)
-[ -n "$wheel" ] || { echo "ci/torch_tier.sh: no hpct wheel for $tag in dist/" >&2
-                     echo "  fix: build it first: $PYTHON -m hpct.builder wheel --install" >&2; exit 2; }
 venv="${XDG_CACHE_HOME:-$HOME/.cache}/hpct/venv-torch-$version"
 tier_pip() { PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip --isolated --disable-pip-version-check "$@"; }
 if ! "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$version')" 2>/dev/null; then
@@ -31,11 +37,29 @@ if ! "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
   rm -rf "$venv"
   mv "$venv.tmp" "$venv"          # its python finds its packages from where it lies; pip runs as -m
 fi
+[ "$prepare_only" = 0 ] || { echo "ci/torch_tier.sh: $venv is ready"; exit 0; }
+wheel=$(ls -t dist/hpct-*-"$tag"-*.whl 2>/dev/null | head -n1 || true)
+[ -n "$wheel" ] || { echo "ci/torch_tier.sh: no hpct wheel for $tag in dist/" >&2
+                     echo "  fix: build it first: $PYTHON -m hpct.builder wheel --install" >&2; exit 2; }
+nccl_prefix=third_party/build/nccl-2.30.7/install
+if [ -f "$nccl_prefix/lib/libnccl.so.2" ]; then
+  rm -rf build/torch-tier-nccl
+  "$PYTHON" -m hpct.builder wheel -q nccl=2.30.7 --dist build/torch-tier-nccl >/dev/null
+  nccl_wheel=$(ls build/torch-tier-nccl/nvidia_nccl_cu13-*.whl)
+  # No --no-deps: pip's resolver must accept the drop-in under torch's nvidia-nccl-cu13==2.30.7.
+  tier_pip install -q "$nccl_wheel" "torch==$version"
+  echo "ci/torch_tier.sh: installed $(basename "$nccl_wheel") under torch $version's pin"
+else
+  echo "ci/torch_tier.sh: no NCCL 2.30.7 build in $nccl_prefix (the slow tier makes it from HPCT_NCCL_SOURCES):" \
+       "torch keeps the nvidia-nccl-cu13 it has; tests/test_torch_nccl.py says so"
+fi
 tier_pip install -q --no-deps --force-reinstall "$wheel"
 echo "ci/torch_tier.sh: $("$venv/bin/python" -P -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "NCCL", ".".join(map(str, torch.cuda.nccl.version())))') with $(basename "$wheel")"
 # The backend against ProcessGroupGloo, a SIGKILLed rank's in-process recovery, shrink/grow, the
-# doctor, the NCCL engine's simulation tier: what a user of this torch runs (the full suite
-# runs on the CPU pin; this tier keeps CI within its time).
-timeout --signal=INT --kill-after=30 15m "$venv/bin/python" -P -m pytest -q -p no:cacheprovider \
+# doctor, the NCCL engine's simulation tier, the reconfigure API with PyTorch's own
+# fault-tolerance suite, the drop-in NCCL: what a user of this torch runs (the full suite runs
+# on the CPU pin; this tier keeps CI within its time).
+timeout --signal=INT --kill-after=30 20m "$venv/bin/python" -P -m pytest -q -p no:cacheprovider \
   tests/test_backend.py tests/test_recovery.py::test_ddp_survives_a_sigkilled_rank_bit_identical \
-  tests/test_elastic.py tests/test_doctor.py tests/test_nccl_sim.py "$@"
+  tests/test_elastic.py tests/test_doctor.py tests/test_nccl_sim.py tests/test_reconfigure.py \
+  tests/test_fault_tolerance.py tests/test_torch_nccl.py "$@"

@@ -22,7 +22,7 @@ docs/elastic.md says when to use which.
 from __future__ import annotations
 
 from ..errors import CollectiveError, HpctArgumentError, HpctError, ParityError
-from . import elastic
+from . import elastic, reconfigure
 from .group import BACKEND_NAME, HpctProcessGroup
 from .slots import PlaceholderStore
 from .work import HpctWork
@@ -35,6 +35,7 @@ from .world import (abort_all, generation, group_monitored_barrier as monitored_
 
 register()
 elastic.install()
+reconfigure.install()
 
 __all__ = ["BACKEND_NAME", "CollectiveError", "HpctArgumentError", "HpctError", "HpctProcessGroup", "HpctWork",
            "ParityError", "ParityReport", "PlaceholderStore", "abort_all", "broadcast_object", "broadcast_state", "generation", "grow",

@@ -39,6 +39,15 @@ class GlooEngine:
         return self._runner.failure
 
     @property
+    def on_failure(self):
+        return self._runner.on_failure
+
+    @on_failure.setter
+    def on_failure(self, callback) -> None:
+        """Called once, with the engine's first failure (group.py's abort hooks)."""
+        self._runner.on_failure = callback
+
+    @property
     def timeout(self) -> float:
         return self.ctx.timeout
 

@@ -73,11 +73,36 @@ class HpctProcessGroup(dist.ProcessGroup):
         self.global_ranks = list(global_ranks)
         self.generation = ctx.generation
         self._closed = False
-        self._gloo = GlooEngine(ctx, rank=ctx.rank, describe=self._describe, thread_name=f"hpct-pg-{group_name}")
-        self._all = [self._gloo]                 # every engine, for the lifecycle
-        self._engines = {"cpu": self._gloo}      # the engine that serves each device type
+        self.awaiting_reconfigure = False    # made with enable_reconfigure: no membership yet
+        self.abort_hooks: dict = {}          # hook id -> callable(), torch's register_abort_hook
+        self.aborted_by_caller = False       # abort() was called (torch's get_error: no comm error)
+        self.used_uuids: set = set()         # reconfigure uuids this group has taken
+        self._use(ctx)
         self.on_shutdown = None          # set by the world registry
         _LIVE.add(self)
+
+    def _use(self, ctx) -> None:
+        """Serve CPU tensors on ``ctx`` (a fresh engine); other engines are attached after."""
+        self._gloo = GlooEngine(ctx, rank=ctx.rank, describe=self._describe,
+                                thread_name=f"hpct-pg-{self.hpct_group_name}")
+        self._all = [self._gloo]                 # every engine, for the lifecycle
+        self._engines = {"cpu": self._gloo}      # the engine that serves each device type
+        self._gloo.on_failure = self._engine_failed
+
+    def stop_engines(self, timeout: float) -> None:
+        """Stop every engine (an op in flight is aborted); until serve(), ops are refused
+        (reconfigure.py: the group object stays, torch holds it)."""
+        self.awaiting_reconfigure = True
+        for engine in self._all:
+            engine.shutdown(timeout)
+
+    def serve(self, ctx, *, global_ranks: list[int], generation: int) -> None:
+        """Go on over ``ctx``, a new membership, on a fresh engine; attach device engines after."""
+        self._rank, self._size = ctx.rank, ctx.size
+        self.global_ranks, self.generation = list(global_ranks), generation
+        self.aborted_by_caller = False
+        self._use(ctx)
+        self.awaiting_reconfigure = False
 
     # ---- identity -------------------------------------------------------------------------
     def size(self):
@@ -139,6 +164,10 @@ class HpctProcessGroup(dist.ProcessGroup):
                 f"global rank {self.global_ranks[self._rank]}, generation {self.generation})")
 
     def _engine(self, op: str, tensors, *, one_tensor: bool = False):
+        if self.awaiting_reconfigure:
+            checks.fail(op, "this group has no members: its last reconfigure failed, or it was made with "
+                            "enable_reconfigure=True and has had none yet",
+                        "call torch.distributed._reconfigure(uuid, handles) with a fresh uuid on every member")
         engine = self._engines[checks.device(op, tensors, self._engines)]
         if one_tensor and engine is not self._gloo:
             # Several tensors per rank are a Gloo form; ProcessGroupNCCL refuses them too.
@@ -171,6 +200,7 @@ class HpctProcessGroup(dist.ProcessGroup):
         CUDA engine.  The group's lifecycle (abort, shutdown) covers every engine attached."""
         self._all.append(engine)
         self._engines[device_type or engine.device_type] = engine
+        engine.on_failure = self._engine_failed
 
     # torch's _coalescing_manager(device=...) brackets ops this way; an engine that batches
     # (NCCL: one group) takes the bracket, any other device keeps torch's own behaviour.
@@ -189,8 +219,60 @@ class HpctProcessGroup(dist.ProcessGroup):
     # ---- lifecycle ------------------------------------------------------------------------
     def abort(self, reason: str = "aborted by the application") -> None:
         """Wake every op in flight and fail every queued op, on every engine; bounded; any thread."""
+        self.aborted_by_caller = True
+        self._fire_abort_hooks()
         for engine in self._all:
             engine.abort(reason)
+
+    # torch's hooks and error API (torch >= 2.14; plain methods before it).  A hook fires when
+    # the group aborts: abort() and an op timeout; never while a lock of the group is held.
+    supports_abort_hooks = True
+
+    def register_abort_hook(self, hook_id, hook) -> None:
+        self.abort_hooks[int(hook_id)] = hook
+
+    def unregister_abort_hook(self, hook_id) -> None:
+        self.abort_hooks.pop(int(hook_id), None)
+
+    def _fire_abort_hooks(self) -> None:
+        for hook_id, hook in list(self.abort_hooks.items()):
+            try:
+                hook()
+            except Exception as err:   # noqa: BLE001 -- a hook's failure never stops the abort
+                print(f"hpct: abort hook {hook_id} of {self!r} raised {type(err).__name__}: {err}",
+                      file=sys.stderr)
+
+    def _engine_failed(self, err) -> None:
+        if not self.aborted_by_caller and "Timeout" in type(err).__name__:
+            self._fire_abort_hooks()
+
+    def get_error(self):
+        """torch's ErrorType of what failed the group: SUCCESS when nothing did or the caller
+        aborted it, TIMEOUT for an op timeout, REMOTE_ERROR for a lost peer, else COMM_ERROR."""
+        from torch._C._distributed_c10d import ErrorType
+        failure = self.failure
+        if failure is None or self.aborted_by_caller:
+            return ErrorType.SUCCESS
+        name = type(failure).__name__
+        if "Timeout" in name:
+            return ErrorType.TIMEOUT
+        return ErrorType.REMOTE_ERROR if name == "PeerError" else ErrorType.COMM_ERROR
+
+    def set_timeout(self, timeout) -> None:
+        self._set_default_timeout(timeout)
+
+    # torch's reconfigure API (torch >= 2.14): reconfigure.py sets `reconfigurer`.
+    reconfigurer = None
+
+    @property
+    def supports_reconfigure(self) -> bool:
+        return type(self).reconfigurer is not None
+
+    def get_reconfigure_handle(self) -> str:
+        return type(self).reconfigurer.handle(self)
+
+    def reconfigure(self, opts):
+        return type(self).reconfigurer.run(self, opts)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop every engine and release its transport (ports, sockets, threads).

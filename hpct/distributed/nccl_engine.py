@@ -129,6 +129,7 @@ class NcclEngine(NcclOps):
         self._comm: Communicator | None = None
         self._stream = None
         self._failure: BaseException | None = None
+        self.on_failure = None       # called once, with the first failure (group.py's abort hooks)
         self._closed = False
         self._inflight: list[NcclWork] = []       # launched, GPU work not seen ended
         self._batch: list[NcclWork] = []          # deferred launches (p2p, coalescing)
@@ -174,6 +175,8 @@ class NcclEngine(NcclOps):
         for w in works:
             if not w._poll():
                 w._fail(err)
+        if self.on_failure is not None:
+            self.on_failure(err)
         if comm is not None:
             comm.abort(on_stuck=lambda why: print(f"hpct: {self._describe('abort')}: {why}", file=sys.stderr,
                                                   flush=True))

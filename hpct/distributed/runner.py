@@ -65,6 +65,7 @@ class Runner:
         self._tokens: queue.SimpleQueue = queue.SimpleQueue()    # one per queued op; None stops
         self._local = threading.local()  # .blocking: the op being issued is waited for at once
         self.failure: BaseException | None = None
+        self.on_failure = None           # called once, with the first failure (group.py's abort hooks)
         self.closed = False
         self._thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
         self._thread.start()
@@ -105,14 +106,15 @@ class Runner:
     def note_failure(self, err) -> None:
         # Only a transport error ends the group; a local one (bad argument) fails its op only.
         if isinstance(err, _gloo.GlooError):
-            with self._lock:
-                if self.failure is None:
-                    self.failure = err
+            self.fail(err)
 
     def fail(self, err: BaseException) -> None:
         with self._lock:
-            if self.failure is None:
+            first = self.failure is None
+            if first:
                 self.failure = err
+        if first and self.on_failure is not None:
+            self.on_failure(err)
 
     def start_close(self) -> tuple[bool, bool]:
         """Refuse new ops: (first close?, an op running or queued?)."""

@@ -104,6 +104,64 @@ def plan_rank(global_rank: int) -> int:
     return global_rank if plan is None else plan[global_rank]
 
 
+def connect_context(cfg: Config, *, name: str, group_rank: int, generation: int, peers: list,
+                    global_rank: int, key: int, timeout: float, connect_timeout: float | None = None,
+                    connect: bool = True, deadline_name: str = "HPCT_CONNECT_TIMEOUT", missing_fix: str = ""):
+    """A storeless Gloo context for one group, connected (unless ``connect`` is False) to ``peers``
+    [(host, port)] within ``connect_timeout`` (default HPCT_CONNECT_TIMEOUT); errors say what to do."""
+    group_size, gen = len(peers), generation
+    connect_timeout = cfg.connect_timeout if connect_timeout is None else connect_timeout
+    retry_max = cfg.socket_retry_delay / 1000.0
+    try:
+        ctx = _gloo.Context(group_rank, group_size, gen, peers, timeout=timeout,
+                            connect_timeout=connect_timeout, connect=False,
+                            retry_delay_initial=min(0.002, retry_max), retry_delay_max=retry_max,
+                            lazy=cfg.lazy_connect, group_key=key,
+                            float_doubling=0 < cfg.log_allreduce_from <= group_size)
+    except _gloo.AddressInUseError as err:
+        host, port = peers[group_rank]
+        raise PortPlanError(
+            f"group {name}: global rank {global_rank} cannot listen on {host}:{port} "
+            f"(the port every hpct group of this process shares): {err}",
+            fix="another process holds the port: stop it, run `hpct ports check`, or move the plan "
+                "with HPCT_PORT_BASE") from None
+    if not connect:
+        return ctx
+    with _LOCK:
+        _state.connecting.append(ctx)
+    try:
+        ctx.connect()
+    except _gloo.StaleGenerationError as err:
+        ctx.close()
+        with _LOCK:
+            _state.newest_seen = max(_state.newest_seen, int(err.newer_generation))
+        raise RendezvousError(
+            f"group {name}: generation {gen} is older than a peer's ({err.newer_generation}): {err}",
+            fix="call recover() again: it moves to the newest generation seen") from None
+    except _gloo.ConnectTimeoutError as err:
+        ctx.close()
+        raise RendezvousError(
+            f"group {name} (generation {gen}): global rank {global_rank} could not connect "
+            f"to every peer within {deadline_name}={connect_timeout:g} s: {err}",
+            fix=missing_fix or "start the missing ranks (a replacement must join with HPCT_GENERATION set to "
+                               "the survivors' generation), or raise HPCT_CONNECT_TIMEOUT") from None
+    except BaseException:
+        ctx.close()
+        raise
+    finally:
+        with _LOCK:
+            if ctx in _state.connecting:
+                _state.connecting.remove(ctx)
+    _disable_store_barrier()
+    if cfg.init_barrier:
+        try:
+            ctx.barrier()
+        except BaseException:
+            ctx.close()
+            raise
+    return ctx
+
+
 def _create(dist_opts, backend_options=None):
     """The c10d creator (extended API): build and connect one storeless context."""
     cfg = _config()
@@ -130,54 +188,15 @@ def _create(dist_opts, backend_options=None):
                           fix="set N_PROC_PER_NODE (or LOCAL_WORLD_SIZE) and HPCT_HOSTS/HPCT_HOSTFILE "
                               "so that every rank has a node") from None
     timeout = dist_opts.timeout.total_seconds() if dist_opts.timeout else 1800.0
-    retry_max = cfg.socket_retry_delay / 1000.0
-    try:
-        ctx = _gloo.Context(group_rank, group_size, gen, peers, timeout=timeout,
-                            connect_timeout=cfg.connect_timeout, connect=False,
-                            retry_delay_initial=min(0.002, retry_max), retry_delay_max=retry_max,
-                            lazy=cfg.lazy_connect, group_key=key,
-                            float_doubling=0 < cfg.log_allreduce_from <= group_size)
-    except _gloo.AddressInUseError as err:
-        host, port = peers[group_rank]
-        raise PortPlanError(
-            f"group {name}: global rank {global_ranks[group_rank]} cannot listen on {host}:{port} "
-            f"(the port every hpct group of this process shares): {err}",
-            fix="another process holds the port: stop it, run `hpct ports check`, or move the plan "
-                "with HPCT_PORT_BASE") from None
-    with _LOCK:
-        _state.connecting.append(ctx)
     t0 = time.perf_counter()
-    try:
-        ctx.connect()
-    except _gloo.StaleGenerationError as err:
-        ctx.close()
-        with _LOCK:
-            _state.newest_seen = max(_state.newest_seen, int(err.newer_generation))
-        raise RendezvousError(
-            f"group {name}: generation {gen} is older than a peer's ({err.newer_generation}): {err}",
-            fix="call recover() again: it moves to the newest generation seen") from None
-    except _gloo.ConnectTimeoutError as err:
-        ctx.close()
-        raise RendezvousError(
-            f"group {name} (generation {gen}): global rank {global_ranks[group_rank]} could not connect "
-            f"to every peer within HPCT_CONNECT_TIMEOUT={cfg.connect_timeout:g} s: {err}",
-            fix="start the missing ranks (a replacement must join with HPCT_GENERATION set to the "
-                "survivors' generation), or raise HPCT_CONNECT_TIMEOUT") from None
-    except BaseException:
-        ctx.close()
-        raise
-    finally:
-        with _LOCK:
-            if ctx in _state.connecting:
-                _state.connecting.remove(ctx)
-    _disable_store_barrier()
-    if cfg.init_barrier:
-        try:
-            ctx.barrier()
-        except BaseException:
-            ctx.close()
-            raise
+    # A group made for torch's reconfigure API forms its membership at the first reconfigure
+    # (reconfigure.py); until then it listens (so its handle can be reached) and connects nothing.
+    pending = bool(getattr(dist_opts, "enable_reconfigure", False))
+    ctx = connect_context(cfg, name=name, group_rank=group_rank, generation=gen, peers=peers,
+                          global_rank=global_ranks[group_rank], key=key, timeout=timeout,
+                          connect=not pending)
     pg = HpctProcessGroup(ctx, group_name=name, group_index=index, global_ranks=global_ranks)
+    pg.awaiting_reconfigure = pending
     pg.slot = slot
     pg.group_key = key
     for device_type, factory in engines:
@@ -196,6 +215,17 @@ def _create(dist_opts, backend_options=None):
                 _state.rank, _state.world_size = global_ranks[group_rank], group_size
                 _state.timeout = dist_opts.timeout
     return pg
+
+
+def reconfigured(pg: HpctProcessGroup, *, rank: int, size: int, places: list[int], generation: int,
+                 seconds: float) -> None:
+    """The default group ``pg`` now has a new membership (reconfigure.py): groups made from now
+    on use its ranks, places in the port plan and generation."""
+    with _LOCK:
+        st = _state
+        st.rank, st.world_size, st.plan_ranks = rank, size, list(places)
+        st.generation = st.formed = generation
+        st.last_init_s = seconds
 
 
 def _forget(pg: HpctProcessGroup) -> None:
