@@ -339,3 +339,25 @@ def test_image_script_takes_the_ca_bundle_from_pips_config_files(repo, tmp_path)
         pytest.skip("not root")
     # the absent base then fails the build itself; what matters is the bundle it was given
     assert f"(pip CA: {bundle})" in res.stdout, res.stdout + res.stderr
+
+
+def test_image_script_refuses_an_unknown_argument(repo, tmp_path):
+    script = _image_script_copy(repo, tmp_path)
+    res = subprocess.run(["/bin/bash", str(script), "--cpu"], capture_output=True, text=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin"}, cwd=tmp_path)
+    assert res.returncode == 2
+    assert "unknown argument '--cpu'" in res.stderr and "fix: bash ci/image.sh [--gpu]" in res.stderr
+
+
+@needs_buildah
+def test_gpu_image_needs_the_nccl_build_and_says_how_to_make_it(repo, tmp_path):
+    script = _image_script_copy(repo, tmp_path)
+    env = {**os.environ, "PYTHON": sys.executable, "HPCT_IMAGE_BASE": "localhost/hpct-test-absent:none"}
+    res = subprocess.run(["/bin/bash", str(script), "--gpu"], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=tmp_path)
+    if "needs root" in res.stderr:
+        pytest.skip("not root")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "no NCCL 2.30.7 build in third_party/build/nccl-2.30.7/install for the drop-in wheel" in res.stderr
+    assert "fix: build it first: hpct-build build nccl=2.30.7" in res.stderr
+    assert not (tmp_path / ".whl").exists()
