@@ -28,7 +28,12 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
   exit 0
 fi
 venv="${XDG_CACHE_HOME:-$HOME/.cache}/hpct/venv-torch-$version"
-tier_pip() { PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip --isolated --disable-pip-version-check "$@"; }
+# --isolated ignores the environment too: the CA bundle (a TLS-inspecting proxy's, say) is passed on
+# explicitly, from pip's variables or from the machine's pip configuration (its cert, not its caps).
+cert=${PIP_CERT:-${REQUESTS_CA_BUNDLE:-${SSL_CERT_FILE:-}}}
+[ -n "$cert" ] || cert=$("$PYTHON" -m pip config list 2>/dev/null | sed -n "s/^global\.cert='\(.*\)'\$/\1/p" | tail -n 1)
+tier_pip() { PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip --isolated --disable-pip-version-check \
+               ${cert:+--cert "$cert"} "$@"; }
 if ! "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$version')" 2>/dev/null; then
   echo "ci/torch_tier.sh: making $venv (torch==$version from PyPI; a few minutes the first time)"
   rm -rf "$venv.tmp"
