@@ -128,14 +128,21 @@ if [ "$GPU" = 1 ]; then
   TORCH_VERSION=$(PYTHONPATH="$PWD" "$PYTHON" -c "from hpct.requirements import TORCH_NEWEST; print(TORCH_NEWEST)")
   # The machine's pip configuration may cap torch (a constraint file): this download runs without it.
   pip_for_torch=(env PIP_CONFIG_FILE=/dev/null "$PYTHON" -m pip --isolated)
+  # hpct's NCCL: this checkout's build, packaged now; else a prebuilt drop-in wheel put in .whl/
+  # (a full build for sm_80 and sm_90 takes hours on 2 cores: make it once, on a larger machine).
   nccl_prefix=third_party/build/nccl-2.30.7/install
-  [ -f "$nccl_prefix/lib/libnccl.so.2" ] || die "no NCCL 2.30.7 build in $nccl_prefix for the drop-in wheel" \
-    "build it first: hpct-build build nccl=2.30.7 (docs/nccl-build.md; CUDA 13.0)"
-  rm -f .whl/nvidia_nccl_cu13-*.whl
-  step "nccl: hpct-build wheel nccl=2.30.7 into .whl/"
-  "$PYTHON" -m hpct.builder wheel -q nccl=2.30.7 --dist .whl >"$WORK/nccl-wheel.log" 2>&1 \
-    || die "packaging the NCCL 2.30.7 build failed (log: $WORK/nccl-wheel.log)" "see the log"
-  nccl_wheel=$(basename "$(ls .whl/nvidia_nccl_cu13-*.whl)")
+  if [ -f "$nccl_prefix/lib/libnccl.so.2" ]; then
+    rm -f .whl/nvidia_nccl_cu13-*.whl
+    step "nccl: hpct-build wheel nccl=2.30.7 into .whl/"
+    "$PYTHON" -m hpct.builder wheel -q nccl=2.30.7 --dist .whl >"$WORK/nccl-wheel.log" 2>&1 \
+      || die "packaging the NCCL 2.30.7 build failed (log: $WORK/nccl-wheel.log)" "see the log"
+  fi
+  prebuilt=$(ls .whl/nvidia_nccl_cu13-2.30.7+hpct.*.whl 2>/dev/null || true)
+  [ "$(echo "$prebuilt" | grep -c .)" = 1 ] || die \
+    "no NCCL 2.30.7 build in $nccl_prefix and not exactly one drop-in wheel .whl/nvidia_nccl_cu13-2.30.7+hpct.*.whl (found ${prebuilt:-none})" \
+    "build it first: hpct-build build nccl=2.30.7 --cuda-arch 80,90 (docs/nccl-build.md; CUDA 13.0), or put one prebuilt wheel (hpct-build wheel nccl=2.30.7) in .whl/"
+  nccl_wheel=$(basename "$prebuilt")
+  step "nccl: $nccl_wheel"
   extra="nvidia-nccl-cu13==$(echo "$nccl_wheel" | cut -d- -f2)"
 fi
 step "torch==$TORCH_VERSION for Python $pyver: pip download into .whl/"

@@ -358,6 +358,22 @@ def test_gpu_image_needs_the_nccl_build_and_says_how_to_make_it(repo, tmp_path):
     if "needs root" in res.stderr:
         pytest.skip("not root")
     assert res.returncode == 1, res.stdout + res.stderr
-    assert "no NCCL 2.30.7 build in third_party/build/nccl-2.30.7/install for the drop-in wheel" in res.stderr
-    assert "fix: build it first: hpct-build build nccl=2.30.7" in res.stderr
-    assert not (tmp_path / ".whl").exists()
+    assert "no NCCL 2.30.7 build in third_party/build/nccl-2.30.7/install and not exactly one drop-in wheel" \
+        in res.stderr and "(found none)" in res.stderr
+    assert "fix: build it first: hpct-build build nccl=2.30.7 --cuda-arch 80,90" in res.stderr
+    assert "or put one prebuilt wheel (hpct-build wheel nccl=2.30.7) in .whl/" in res.stderr
+
+
+@needs_buildah
+def test_gpu_image_refuses_two_prebuilt_nccl_wheels(repo, tmp_path):
+    script = _image_script_copy(repo, tmp_path)
+    (tmp_path / ".whl").mkdir()
+    for series in ("0123456789abcdef", "fedcba9876543210"):
+        (tmp_path / ".whl" / f"nvidia_nccl_cu13-2.30.7+hpct.{series}-py3-none-manylinux_2_25_x86_64.whl").write_bytes(b"")
+    env = {**os.environ, "PYTHON": sys.executable, "HPCT_IMAGE_BASE": "localhost/hpct-test-absent:none"}
+    res = subprocess.run(["/bin/bash", str(script), "--gpu"], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=tmp_path)
+    if "needs root" in res.stderr:
+        pytest.skip("not root")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "not exactly one drop-in wheel" in res.stderr and "hpct.0123456789abcdef" in res.stderr
