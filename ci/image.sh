@@ -125,7 +125,7 @@ hpct_pick_python
 extra=""
 pip_for_torch=("$PYTHON" -m pip)
 if [ "$GPU" = 1 ]; then
-  TORCH_VERSION=$(PYTHONPATH="$PWD" "$PYTHON" -c "from hpct.requirements import TORCH_NEWEST; print(TORCH_NEWEST)")
+  TORCH_VERSION=$(hpct_torch_newest)
   # The machine's pip configuration may cap torch (a constraint file): this download runs without it.
   pip_for_torch=(env PIP_CONFIG_FILE=/dev/null "$PYTHON" -m pip --isolated)
   # hpct's NCCL: this checkout's build, packaged now; else a prebuilt drop-in wheel put in .whl/
@@ -159,10 +159,7 @@ grep -E '^(Saved|File was already downloaded|Processing)' "$WORK/torch.log" || t
 # build as the secret pip-ca: mounted for the one RUN step that asks for it, never in a layer.
 build_args=(--build-arg "BASE=$BASE" --build-arg TORCH_INDEX=)
 [ "$GPU" = 0 ] || build_args+=(--build-arg "TORCH_VERSION=$TORCH_VERSION" --build-arg "EXTRA_REQUIREMENTS=$extra")
-# `pip config get global.cert` answers "No such key" for a value from /etc/pip.conf or
-# /etc/xdg/pip/pip.conf; `pip config list` shows the merged configuration.
-pip_cert() { "$PYTHON" -m pip config list 2>/dev/null | sed -n "s/^global\.cert='\(.*\)'\$/\1/p" | tail -n 1; }
-ca=${HPCT_BUILD_CA:-${PIP_CERT:-$(pip_cert)}}
+ca=${HPCT_BUILD_CA:-${PIP_CERT:-$(hpct_pip_cert)}}
 if [ -n "$ca" ]; then
   [ -f "$ca" ] || die "the CA bundle $ca (HPCT_BUILD_CA, PIP_CERT or pip's global.cert) does not exist" \
     "point HPCT_BUILD_CA at an existing PEM bundle, or unset it"

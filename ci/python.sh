@@ -67,3 +67,11 @@ hpct_console_script() {
   fi
   echo "$path"
 }
+
+hpct_torch_newest() {   # the newest torch hpct supports (hpct.requirements), read from this checkout
+  PYTHONPATH="$PWD" "$PYTHON" -c "from hpct.requirements import TORCH_NEWEST; print(TORCH_NEWEST)"
+}
+
+# The CA bundle of the machine's pip configuration.  `pip config get global.cert` answers "No such
+# key" for a value from /etc/pip.conf or /etc/xdg/pip/pip.conf; `pip config list` shows the merged one.
+hpct_pip_cert() { "$PYTHON" -m pip config list 2>/dev/null | sed -n "s/^global\.cert='\(.*\)'\$/\1/p" | tail -n 1; }

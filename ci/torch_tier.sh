@@ -20,8 +20,7 @@ cd "$(dirname "$0")/.."
 hpct_pick_python
 prepare_only=0
 if [ "${1:-}" = "--prepare" ]; then prepare_only=1; shift; fi
-# From the checkout: --prepare runs before the hpct wheel is built.
-version=$(PYTHONPATH="$PWD" "$PYTHON" -c "from hpct.requirements import TORCH_NEWEST; print(TORCH_NEWEST)")
+version=$(hpct_torch_newest)     # from the checkout: --prepare runs before the hpct wheel is built
 tag=$("$PYTHON" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
   echo "ci/torch_tier.sh: torch $version needs Python 3.11 or newer; $PYTHON is older: tier skipped" >&2
@@ -31,7 +30,7 @@ venv="${XDG_CACHE_HOME:-$HOME/.cache}/hpct/venv-torch-$version"
 # --isolated ignores the environment too: the CA bundle (a TLS-inspecting proxy's, say) is passed on
 # explicitly, from pip's variables or from the machine's pip configuration (its cert, not its caps).
 cert=${PIP_CERT:-${REQUESTS_CA_BUNDLE:-${SSL_CERT_FILE:-}}}
-[ -n "$cert" ] || cert=$("$PYTHON" -m pip config list 2>/dev/null | sed -n "s/^global\.cert='\(.*\)'\$/\1/p" | tail -n 1)
+[ -n "$cert" ] || cert=$(hpct_pip_cert)
 tier_pip() { PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip --isolated --disable-pip-version-check \
                ${cert:+--cert "$cert"} "$@"; }
 if ! "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$version')" 2>/dev/null; then

@@ -252,8 +252,8 @@ def _image_script_copy(repo: Path, tmp_path: Path, dockerfile: str | None = None
     return tmp_path / "ci" / "image.sh"
 
 
-def _run(script: Path, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(["/bin/bash", str(script)], capture_output=True, text=True, timeout=timeout,
+def _run(script: Path, env: dict, timeout: float = 120, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["/bin/bash", str(script), *args], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=script.parent.parent)
 
 
@@ -343,18 +343,19 @@ def test_image_script_takes_the_ca_bundle_from_pips_config_files(repo, tmp_path)
 
 def test_image_script_refuses_an_unknown_argument(repo, tmp_path):
     script = _image_script_copy(repo, tmp_path)
-    res = subprocess.run(["/bin/bash", str(script), "--cpu"], capture_output=True, text=True, timeout=60,
-                         env={"PATH": "/usr/bin:/bin"}, cwd=tmp_path)
+    res = _run(script, {"PATH": "/usr/bin:/bin"}, 60, "--cpu")
     assert res.returncode == 2
     assert "unknown argument '--cpu'" in res.stderr and "fix: bash ci/image.sh [--gpu]" in res.stderr
+
+
+def _gpu_env() -> dict:
+    return {**os.environ, "PYTHON": sys.executable, "HPCT_IMAGE_BASE": "localhost/hpct-test-absent:none"}
 
 
 @needs_buildah
 def test_gpu_image_needs_the_nccl_build_and_says_how_to_make_it(repo, tmp_path):
     script = _image_script_copy(repo, tmp_path)
-    env = {**os.environ, "PYTHON": sys.executable, "HPCT_IMAGE_BASE": "localhost/hpct-test-absent:none"}
-    res = subprocess.run(["/bin/bash", str(script), "--gpu"], capture_output=True, text=True, timeout=120,
-                         env=env, cwd=tmp_path)
+    res = _run(script, _gpu_env(), 120, "--gpu")
     if "needs root" in res.stderr:
         pytest.skip("not root")
     assert res.returncode == 1, res.stdout + res.stderr
@@ -370,9 +371,7 @@ def test_gpu_image_refuses_two_prebuilt_nccl_wheels(repo, tmp_path):
     (tmp_path / ".whl").mkdir()
     for series in ("0123456789abcdef", "fedcba9876543210"):
         (tmp_path / ".whl" / f"nvidia_nccl_cu13-2.30.7+hpct.{series}-py3-none-manylinux_2_25_x86_64.whl").write_bytes(b"")
-    env = {**os.environ, "PYTHON": sys.executable, "HPCT_IMAGE_BASE": "localhost/hpct-test-absent:none"}
-    res = subprocess.run(["/bin/bash", str(script), "--gpu"], capture_output=True, text=True, timeout=120,
-                         env=env, cwd=tmp_path)
+    res = _run(script, _gpu_env(), 120, "--gpu")
     if "needs root" in res.stderr:
         pytest.skip("not root")
     assert res.returncode == 1, res.stdout + res.stderr

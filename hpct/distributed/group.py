@@ -242,8 +242,13 @@ class HpctProcessGroup(dist.ProcessGroup):
                 print(f"hpct: abort hook {hook_id} of {self!r} raised {type(err).__name__}: {err}",
                       file=sys.stderr)
 
+    @staticmethod
+    def _timed_out(err) -> bool:
+        # Gloo's OpTimeoutError/ConnectTimeoutError, the NCCL engine's NcclOpTimeoutError
+        return "Timeout" in type(err).__name__
+
     def _engine_failed(self, err) -> None:
-        if not self.aborted_by_caller and "Timeout" in type(err).__name__:
+        if not self.aborted_by_caller and self._timed_out(err):
             self._fire_abort_hooks()
 
     def get_error(self):
@@ -253,10 +258,9 @@ class HpctProcessGroup(dist.ProcessGroup):
         failure = self.failure
         if failure is None or self.aborted_by_caller:
             return ErrorType.SUCCESS
-        name = type(failure).__name__
-        if "Timeout" in name:
+        if self._timed_out(failure):
             return ErrorType.TIMEOUT
-        return ErrorType.REMOTE_ERROR if name == "PeerError" else ErrorType.COMM_ERROR
+        return ErrorType.REMOTE_ERROR if type(failure).__name__ == "PeerError" else ErrorType.COMM_ERROR
 
     def set_timeout(self, timeout) -> None:
         self._set_default_timeout(timeout)

@@ -36,11 +36,11 @@ from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
-from torch.futures import Future
 
 from .. import _gloo
 from ..errors import HpctArgumentError
 from . import world
+from .runner import done_work
 from .work import HpctWork
 
 HANDLE_PREFIX = "hpct1"
@@ -76,6 +76,10 @@ class Handle:
 
     def order(self) -> tuple:
         return (self.place, self.host, self.pid)
+
+    def process(self) -> tuple:
+        """Which process the handle names (its generation may differ between two handles of it)."""
+        return (self.host, self.port, self.pid)
 
 
 def _job(cfg) -> str:
@@ -122,21 +126,19 @@ def members(pg, handles) -> tuple[list[Handle], int]:
     if not ordered:
         parsed.sort(key=Handle.order)
     me = _own(pg)
-    seen = {}
+    seen = {}                     # process -> its index in the handles
     for i, h in enumerate(parsed):
         if h.job != me.job:
             _refuse(f"handle {i} is of another job ({h.job!r}; this one is {me.job!r})",
                     "pass only handles of this job's processes (same HPCT_PORT_BASE, hosts, processes per node)")
-        key = (h.host, h.port, h.pid)
-        if key in seen:
-            _refuse(f"handles {seen[key]} and {i} name the same process ({h.host}:{h.port}, pid {h.pid})",
+        if h.process() in seen:
+            _refuse(f"handles {seen[h.process()]} and {i} name the same process ({h.host}:{h.port}, pid {h.pid})",
                     "pass each member's handle once")
-        seen[key] = i
-    mine = [i for i, h in enumerate(parsed) if (h.host, h.port, h.pid) == (me.host, me.port, me.pid)]
-    if not mine:
+        seen[h.process()] = i
+    if me.process() not in seen:
         _refuse(f"this process's handle ({me.host}:{me.port}, pid {me.pid}) is not among the {len(parsed)} handles",
                 "every member passes the same handles, its own among them; a process that leaves does not call")
-    return parsed, mine[0]
+    return parsed, seen[me.process()]
 
 
 def generation_of(parsed: list[Handle]) -> int:
@@ -174,18 +176,16 @@ def run(pg, opts) -> HpctWork:
                                     missing_fix="every member the handles name calls reconfigure with the same "
                                                 "uuid and handles within the timeout; leave out the ones that are "
                                                 "gone and call it again with a fresh uuid")
-    places = [h.place for h in parsed]
-    pg.serve(ctx, global_ranks=list(range(len(parsed))), generation=gen)
+    places, ranks = [h.place for h in parsed], list(range(len(parsed)))
+    pg.serve(ctx, global_ranks=ranks, generation=gen)
     for device_type, factory in world.device_engines():
         pg.attach(factory(cfg, name=pg.group_name, index=pg.group_index, slot=pg.slot, group_rank=rank,
-                          global_ranks=list(range(len(parsed))), generation=gen, op_timeout=op_timeout,
-                          places=places), device_type)
+                          global_ranks=ranks, generation=gen, op_timeout=op_timeout, places=places),
+                  device_type)
     world.reconfigured(pg, rank=rank, size=len(parsed), places=places, generation=gen,
                        seconds=time.perf_counter() - t0)
-    c10d._world.pg_group_ranks[pg] = {r: r for r in range(len(parsed))}
-    raw = Future()
-    raw.set_result((True, None))
-    return HpctWork(raw)
+    c10d._world.pg_group_ranks[pg] = {r: r for r in ranks}
+    return done_work()
 
 
 @contextlib.contextmanager

@@ -54,6 +54,12 @@ def failed_work(message: str) -> HpctWork:
     return HpctWork(raw)
 
 
+def done_work(value=None) -> HpctWork:
+    raw = Future()
+    raw.set_result((True, value))
+    return HpctWork(raw)
+
+
 class Runner:
     """Runs a group's collectives; ``describe(what)`` words their errors."""
 
