@@ -25,19 +25,14 @@ import pytest
 from hpct.builder import cuda
 from hpct.builder.layout import Layout
 from hpct.builder.progress import Progress
-from hpct.builder.sources import STAMP as SOURCE_STAMP
 from hpct.elf import manylinux_tag, read_elf
 from hpct.errors import ChecksumError, ConfigError, ToolchainError
+import nccl_prebuild
+from nccl_prebuild import OFFLINE
 from util import REPO, run_cli
 
 SERIES = "0123456789abcdef"
-VERSION = "2.21.5"
-# No network and no toolchain from the environment unless a test asks for one.
-OFFLINE = {"CUDA_HOME": "", "HTTPS_PROXY": "http://127.0.0.1:1", "https_proxy": "http://127.0.0.1:1",
-           "HPCT_NCCL_SOURCE": "", "HPCT_NCCL_SOURCES": ""}
-SOURCE_HINT = ("set HPCT_NCCL_SOURCES=<folder of NCCL tag tarballs> or HPCT_NCCL_SOURCE=<nccl-2.21.5-1 "
-               "tarball or tree> (or run `hpct-build fetch nccl --source PATH` in the checkout) to build "
-               "the real NCCL")
+VERSION = nccl_prebuild.OLD
 
 
 def build(root: Path, *args: str, env: dict | None = None, timeout: float = 300):
@@ -504,31 +499,23 @@ def test_the_wheel_replaces_nvidias_and_doctor_tells_them_apart(stand_in_wheel, 
 # ---------------------------------------------------------------- integration: the real NCCL
 
 @pytest.fixture(scope="session")
-def nccl_source() -> str | None:
-    """HPCT_NCCL_SOURCE (or the tarball in HPCT_NCCL_SOURCES), or None when the checkout has
-    already fetched NCCL; skip otherwise."""
-    given = os.environ.get("HPCT_NCCL_SOURCE")
-    if given:
-        return given
-    folder = os.environ.get("HPCT_NCCL_SOURCES")
-    if folder and (Path(folder) / f"nccl-{VERSION}-1.tar.gz").is_file():
-        return str(Path(folder) / f"nccl-{VERSION}-1.tar.gz")
-    if (REPO / "third_party" / "src" / f"nccl-{VERSION}" / SOURCE_STAMP).is_file():
-        return None
-    pytest.skip(SOURCE_HINT)
+def real_build() -> Path:
+    """NCCL 2.21.5 with the series, SendRecv only (tests/nccl_prebuild.py may have built it
+    already: then this only relinks)."""
+    return _real_build(VERSION)
 
 
-@pytest.fixture(scope="session")
-def real_build(nccl_source) -> Path:
-    env = {k: v for k, v in OFFLINE.items() if k != "HPCT_NCCL_SOURCE"}
-    if nccl_source:
-        env["HPCT_NCCL_SOURCE"] = nccl_source
-    if os.environ.get("CUDA_HOME"):
-        env["CUDA_HOME"] = os.environ["CUDA_HOME"]
-    proc = run_cli("hpct-build", "build", "nccl", "--funcs", "SendRecv", "--root", str(REPO),
-                   env=env, timeout=3600)
+def _real_build(version: str) -> Path:
+    reason = nccl_prebuild.why_not(version)
+    if reason:
+        pytest.skip(reason)
+    args, env = nccl_prebuild.build_args(version)
+    with nccl_prebuild.lock(version, wait_s=3600):
+        started = time.monotonic()
+        proc = run_cli("hpct-build", *args, env=env, timeout=3600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return REPO / "third_party" / "build" / f"nccl-{VERSION}" / "install"
+    print(f"\nNCCL {version} (SendRecv) built in {time.monotonic() - started:.0f} s")
+    return REPO / "third_party" / "build" / f"nccl-{version}" / "install"
 
 
 def dynamic_symbols(lib: Path) -> set[str]:
@@ -642,29 +629,13 @@ def test_the_2_30_7_wheel_is_nvidia_nccl_cu13_and_keeps_torch_2_14_1s_pin(scratc
 
 # ---------------------------------------------------------------- integration: NCCL 2.30.7 (torch 2.14.1's)
 
-NEW_PIN = "2.30.7"
+NEW_PIN = nccl_prebuild.NEW
 
 
 @pytest.fixture(scope="session")
 def real_build_230() -> Path:
     """NCCL 2.30.7 with the series, SendRecv only, one arch, CUDA 13.0 (CUDA_HOME or /usr/local/cuda)."""
-    sources = os.environ.get("HPCT_NCCL_SOURCES")
-    fetched = (REPO / "third_party" / "src" / f"nccl-{NEW_PIN}" / SOURCE_STAMP).is_file()
-    if not fetched and not (sources and (Path(sources) / f"nccl-{NEW_PIN}-1.tar.gz").is_file()):
-        pytest.skip(f"needs nccl-{NEW_PIN}-1.tar.gz: set HPCT_NCCL_SOURCES to the folder of NCCL tag tarballs")
-    cuda_home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
-    nvcc = Path(cuda_home) / "bin" / "nvcc"
-    version = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=60).stdout \
-        if nvcc.is_file() else ""
-    if "release 13.0" not in version:
-        pytest.skip(f"NCCL {NEW_PIN} builds with CUDA 13.0: no nvcc 13.0 at {nvcc} (set CUDA_HOME)")
-    env = {**OFFLINE, "CUDA_HOME": cuda_home, "HPCT_NCCL_SOURCES": sources or ""}
-    started = time.monotonic()
-    proc = run_cli("hpct-build", "build", f"nccl={NEW_PIN}", "--funcs", "SendRecv", "--cuda-arch", "80",
-                   "--root", str(REPO), env=env, timeout=3600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    print(f"\nNCCL {NEW_PIN} (SendRecv, sm_80) built in {time.monotonic() - started:.0f} s")
-    return REPO / "third_party" / "build" / f"nccl-{NEW_PIN}" / "install"
+    return _real_build(NEW_PIN)
 
 
 @pytest.mark.slow

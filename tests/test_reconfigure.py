@@ -72,6 +72,8 @@ def test_shrink_by_a_set_ranks_follow_the_plan_and_subgroups_use_the_new_world(r
 
 @pytest.mark.multiprocess
 def test_grow_abort_and_timeout_hooks_then_recovery(res):
+    # someone's timer fired: the op timeout is what failed the group
+    assert "ErrorType.TIMEOUT" in [got.get("error_after_timeout") for got in res[1:]], res
     for r, got in enumerate(res):
         s = steps(got)
         assert s["grown"][:3] == [r, 4, 10.0]
@@ -81,11 +83,17 @@ def test_grow_abort_and_timeout_hooks_then_recovery(res):
         assert s["after_abort"][:3] == [r, 4, 10.0]
         assert s["after_timeout"][:3] == [r, 4, 10.0]
         if r != 0:
-            assert got["timeout_hook"] is True
-            assert got["error_after_timeout"] == "ErrorType.TIMEOUT"
-            # CollectiveError (Gloo engine) or its NcclOpTimeoutError (NCCL engine)
-            assert "Timed out waiting 1500ms" in got["timed_out_wait"] or \
-                "did not complete within the op timeout (1.5 s)" in got["timed_out_wait"], got["timed_out_wait"]
+            assert got["timeout_hook"] is True, got
+            # This rank's own timer, or (on a loaded machine) a peer whose timer fired first
+            # and closed the link: get_error() agrees with what the op said.
+            wait = got["timed_out_wait"]
+            if got["error_after_timeout"] == "ErrorType.TIMEOUT":
+                # CollectiveError (Gloo engine) or its NcclOpTimeoutError (NCCL engine)
+                assert "Timed out waiting 1500ms" in wait or \
+                    "did not complete within the op timeout (1.5 s)" in wait, wait
+            else:
+                assert got["error_after_timeout"] == "ErrorType.REMOTE_ERROR", got
+                assert "PeerError" in wait or "ncclRemoteError" in wait, wait
         # every reconfigure moves to a newer generation
         gens = [g for *_, g in got["steps"]]
         assert gens == sorted(gens)

@@ -224,8 +224,10 @@ class HpctProcessGroup(dist.ProcessGroup):
         for engine in self._all:
             engine.abort(reason)
 
-    # torch's hooks and error API (torch >= 2.14; plain methods before it).  A hook fires when
-    # the group aborts: abort() and an op timeout; never while a lock of the group is held.
+    # torch's hooks and error API (torch >= 2.14; plain methods before it).  A hook fires once
+    # when the group aborts: abort(), or the first failure that ends it (an op timeout, a lost
+    # peer: a peer's own timeout can close the link before this rank's fires, so both must
+    # count); never while a lock of the group is held.
     supports_abort_hooks = True
 
     def register_abort_hook(self, hook_id, hook) -> None:
@@ -248,7 +250,7 @@ class HpctProcessGroup(dist.ProcessGroup):
         return "Timeout" in type(err).__name__
 
     def _engine_failed(self, err) -> None:
-        if not self.aborted_by_caller and self._timed_out(err):
+        if not self.aborted_by_caller:      # abort() has fired them already
             self._fire_abort_hooks()
 
     def get_error(self):
