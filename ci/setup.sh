@@ -14,7 +14,7 @@ PIP_TEST_PACKAGES=()
 if [ "${1:-}" = --tests ]; then
   # buildah and debootstrap build and run the image without a Docker daemon (tests/test_image.py);
   # torch's own distributed test harness (tests/test_torch_suites.py) imports expecttest;
-  # benchmarks/model.py (run by tests/test_benchmarks.py) plots with matplotlib.
+  # benchmarks/model.py (run by tests/test_benchmarks.py) and `hpct diagnose --plot` plot with matplotlib.
   APT_PACKAGES+=(buildah debootstrap)
   PIP_TEST_PACKAGES=("expecttest>=0.2" "matplotlib>=3.7")
 elif [ $# -gt 0 ]; then

@@ -112,6 +112,18 @@ class ParityError(HpctError):
     exit_code = 15
 
 
+class SuspectFound(HpctError):
+    """``hpct diagnose`` found a suspect link or node, or a setting that differs across ranks."""
+
+    exit_code = 16
+
+
+class DiagnoseTimeout(HpctError):
+    """``hpct diagnose`` ran past its ``--timeout``: the message names the link it was measuring."""
+
+    exit_code = 17
+
+
 class TransportError(HpctError):
     """Root of the transport's own errors (``hpct._gloo.GlooError`` and its subclasses)."""
 

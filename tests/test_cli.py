@@ -48,7 +48,7 @@ def test_version(prog):
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"{prog} {hpct.__version__}\n", "")
 
 
-@pytest.mark.parametrize("prog,verbs", [("hpct", ("doctor", "ports", "demo")),
+@pytest.mark.parametrize("prog,verbs", [("hpct", ("doctor", "ports", "demo", "diagnose")),
                                         ("hpct-build", ("fetch", "patch", "build", "wheel", "all", "status"))])
 def test_no_verb_prints_the_help(prog, verbs):
     proc = run(prog)

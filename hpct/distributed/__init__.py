@@ -16,6 +16,8 @@ re-synchronises the state.  Without a replacement, the survivors go on with fewe
 ``torch.distributed.shrink_group([lost], group)`` or ``hd.shrink(...)`` (elastic.py); and
 ``hd.grow(new_size)`` admits joiners at a step boundary (admission.py);
 ``hd.sync_state(model, optimizer)`` finds and repairs a member whose state drifted (parity.py).
+``hd.profile_comm(ddp_model)`` times DDP's gradient communication per step: how much of it
+backward hid and how much was exposed (profile_comm.py, docs/diagnose.md).
 docs/elastic.md says when to use which.
 """
 
@@ -29,6 +31,7 @@ from .work import HpctWork
 from .admission import grow
 from .elastic import shrink
 from .parity import ParityReport, sync_state
+from .profile_comm import CommProfile, profile_comm
 from .state import broadcast_object, broadcast_state, healthy_source
 from .world import (abort_all, generation, group_monitored_barrier as monitored_barrier, init_process_group,
                     last_connect_seconds, live_groups, recover, register, shutdown_all)
@@ -37,7 +40,7 @@ register()
 elastic.install()
 reconfigure.install()
 
-__all__ = ["BACKEND_NAME", "CollectiveError", "HpctArgumentError", "HpctError", "HpctProcessGroup", "HpctWork",
+__all__ = ["BACKEND_NAME", "CollectiveError", "CommProfile", "HpctArgumentError", "HpctError", "HpctProcessGroup", "HpctWork",
            "ParityError", "ParityReport", "PlaceholderStore", "abort_all", "broadcast_object", "broadcast_state", "generation", "grow",
            "healthy_source", "init_process_group", "last_connect_seconds", "live_groups",
-           "monitored_barrier", "recover", "shrink", "shutdown_all", "sync_state"]
+           "monitored_barrier", "profile_comm", "recover", "shrink", "shutdown_all", "sync_state"]
