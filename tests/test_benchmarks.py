@@ -84,3 +84,18 @@ def test_shrink_reports_hpct_against_stocks_re_initialisation_and_the_nccl_refer
     text = _run("shrink.py", "--sizes", "3", timeout=240)
     assert re.search(r"^\s+3\s+[\d.]+\s+[\d.]+\s+[\d.]+x$", text, re.MULTILINE), text
     assert "stock destroy+TCPStore+init" in text and "1.4-2.0 s" in text, text
+
+
+@pytest.mark.multihost
+def test_diagnose_matrix_in_rounds_and_serial_cover_the_same_pairs():
+    text = _run("diagnose.py", "--hosts", "4", "--no-profile", timeout=300)
+    # 4 hosts: 3 rounds of 2 pairs, or 6 rounds of one; nothing suspect on a clean bridge
+    assert re.search(r"^\| 4 \| 3 \| [0-9.]+ \| 6 \| [0-9.]+ \| [0-9.]+x \| 0 \|$", text, re.MULTILINE), text
+    assert "model at 1024 nodes" in text and "rounds 1023 x" in text and "one pair at a time 523776 x" in text
+
+
+def test_profile_comm_benchmark_reports_overhead_and_accuracy():
+    text = _run("profile_comm.py", "--rounds", "1", "--steps", "4", "--width", "128", "--layers", "4", timeout=300)
+    assert "summary: profiling overhead" in text and "comm/direct" in text, text
+    for mode in ("plain", "off", "hook", "on", "disabled"):
+        assert re.search(rf"^\s+{mode}\s+[0-9.]+ ", text, re.MULTILINE), (mode, text)
