@@ -112,20 +112,8 @@ def run(cfg: dict, timeout: float, scratch: str) -> list[dict]:
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), "2", path, json.dumps(cfg)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/", env=env)
              for r in range(2)]
-    deadline = time.monotonic() + timeout
-    out = []
-    try:
-        for p in procs:
-            so, se = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            if p.returncode != 0:
-                raise RuntimeError(f"a rank failed:\n{se[-2000:]}")
-            out.append(json.loads(so.strip().splitlines()[-1]))
-        return out
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
+    from hpct.demo.agent import rank_results
+    return rank_results(procs, time.monotonic() + timeout, "profile_comm benchmark")
 
 
 def main(argv=None) -> int:

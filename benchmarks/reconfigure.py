@@ -17,7 +17,6 @@ a one-element all_reduce on the result (the slowest rank is reported):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -75,21 +74,10 @@ def run_once(mode: str, size: int, timeout: float, scratch: str) -> dict:
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, mode, str(r), str(size), path],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/", env=env)
              for r in range(size)]
-    deadline = time.monotonic() + timeout
-    worst = {s: 0.0 for s in STEPS}
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            if p.returncode != 0:
-                raise RuntimeError(f"{mode} N={size}: a rank failed:\n{err[-2000:]}")
-            for s, v in json.loads(out.strip().splitlines()[-1])["seconds"].items():
-                worst[s] = max(worst[s], v)
-        return worst
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
+    from hpct.demo.agent import rank_results
+    ranks = rank_results(procs, time.monotonic() + timeout, f"{mode} N={size}")
+    # the rank a shrink leaves out reports no "shrink"
+    return {s: max([0.0] + [r["seconds"][s] for r in ranks if s in r["seconds"]]) for s in STEPS}
 
 
 def main(argv=None) -> int:

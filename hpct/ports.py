@@ -46,6 +46,14 @@ def shared_port(block_base: int, local_rank: int, nproc_per_node: int) -> int:
     return port_of(block_base, 0, local_rank, nproc_per_node, 1)
 
 
+def shared_peers(hosts: Sequence[str], block_base: int, places: Iterable[int],
+                 nproc_per_node: int) -> list[tuple[str, int]]:
+    """(host, port) of each plan place in ``places`` for a backend whose groups share one
+    listener per process (``shared_port``): the hpct backend's Gloo, ``hpct diagnose``."""
+    return [(host_of(hosts, q, nproc_per_node), shared_port(block_base, q % nproc_per_node, nproc_per_node))
+            for q in places]
+
+
 def host_of(hosts: Sequence[str], rank: int, nproc_per_node: int) -> str:
     """Address of global rank ``rank``: hosts[rank // P] (block placement, as torchrun does)."""
     node = rank // nproc_per_node if nproc_per_node >= 1 else -1

@@ -110,22 +110,27 @@ class Job:
         return False
 
 
-def slowest_rank_seconds(procs: list, deadline: float, what: str) -> float:
-    """The largest "seconds" that subprocess ranks print as their last JSON line; a rank that
-    fails or outlives ``deadline`` (monotonic) fails the run, and every rank left is killed."""
+def rank_results(procs: list, deadline: float, what: str) -> list:
+    """The last JSON line each subprocess rank prints, in order; a rank that fails or outlives
+    ``deadline`` (monotonic) fails the run, and every rank left is killed."""
     try:
-        times = []
+        results = []
         for p in procs:
             out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             if p.returncode != 0:
                 raise RuntimeError(f"{what}: rank failed:\n{err[-2000:]}")
-            times.append(json.loads(out.strip().splitlines()[-1])["seconds"])
-        return max(times)
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        return results
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=10)
+
+
+def slowest_rank_seconds(procs: list, deadline: float, what: str) -> float:
+    """The largest "seconds" that subprocess ranks print as their last JSON line (rank_results)."""
+    return max(r["seconds"] for r in rank_results(procs, deadline, what))
 
 
 def trainer_argv(out: Path, *args: str) -> list[str]:

@@ -16,7 +16,7 @@ import time
 
 from ..config import Config
 from ..errors import RendezvousError
-from ..ports import PortPlan, host_of, shared_port
+from ..ports import PortPlan, host_of, shared_peers
 from . import audit, links, schedule, verdict
 
 SCHEMA_VERSION = 1
@@ -47,7 +47,7 @@ def _missing(err: RendezvousError) -> list[int]:
 def _connect(cfg: Config, rank: int, world: int, base: int, opts: Options, deadline: float):
     from ..distributed.world import connect_context
     p = cfg.nproc_per_node
-    peers = [(host_of(cfg.hosts, q, p), shared_port(base, q % p, p)) for q in range(world)]
+    peers = shared_peers(cfg.hosts, base, range(world), p)
     # Every pair at once: a rank that never arrives is named here, not in the first round.
     full = dataclasses.replace(cfg, lazy_connect=False)
     try:

@@ -11,6 +11,7 @@ the same numbers, so all agree on which suspects to measure again.
 
 from __future__ import annotations
 
+import collections
 import statistics
 from dataclasses import dataclass, field
 
@@ -51,13 +52,14 @@ def judge(rows: dict[str, dict], nproc: int, th: Thresholds = Thresholds(), *,
                 medians[kind] = {"bw_MBps": statistics.median(slower(r) for r in mine),
                                  "latency_us": statistics.median(r["latency_us"] for r in mine)}
     v = Verdict(medians)
-    # Fewer than three links of a kind have no majority to be compared with.
+    counts = collections.Counter(r["kind"] for r in rows.values())
     for key, r in sorted(rows.items(), key=lambda kv: (kv[1]["a"], kv[1]["b"])):
         if candidates is not None and key not in candidates:
             continue
-        m = medians[r["kind"]]
-        if sum(1 for x in rows.values() if x["kind"] == r["kind"]) < 3:
+        # Fewer than three links of a kind have no majority to be compared with.
+        if counts[r["kind"]] < 3:
             continue
+        m = medians[r["kind"]]
         why = []
         if slower(r) < th.bw_ratio * m["bw_MBps"]:
             why.append(f"bandwidth {slower(r):.0f} MB/s is below {th.bw_ratio:g} x the median "

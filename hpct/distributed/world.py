@@ -36,7 +36,7 @@ from torch.distributed import distributed_c10d as c10d
 from .. import _gloo
 from ..config import Config
 from ..errors import ConfigError, PortPlanError, RendezvousError
-from ..ports import host_of, shared_port
+from ..ports import shared_peers
 from . import checks, slots
 from .group import BACKEND_NAME, HpctProcessGroup
 from .monitor import monitored_barrier as _monitored_barrier
@@ -181,8 +181,7 @@ def _create(dist_opts, backend_options=None):
     engines = device_engines()
     slot = slots.choose(name, index, global_ranks, group_rank, live_groups(), cfg) if engines else None
     try:
-        peers = [(host_of(cfg.hosts, q, p), shared_port(cfg.gloo_port_base, q % p, p))
-                 for q in map(plan_rank, global_ranks)]
+        peers = shared_peers(cfg.hosts, cfg.gloo_port_base, map(plan_rank, global_ranks), p)
     except PortPlanError as err:
         raise ConfigError(f"cannot place group {name} of {group_size} ranks: {err.problem}",
                           fix="set N_PROC_PER_NODE (or LOCAL_WORLD_SIZE) and HPCT_HOSTS/HPCT_HOSTFILE "
