@@ -293,6 +293,9 @@ def proof_environ(work: Path, manifest: dict, facts: dict, report: Path) -> dict
     env["GPU_PROOF_LIBNCCL"] = str(lib.resolve())
     env["GPU_PROOF_CUDART_DIR"] = str(Path(facts["cudart"][0]).parent) if facts.get("cudart") else ""
     env["GPU_PROOF_REPORT"] = str(report)
+    sys.path.insert(0, str(work / "files" / "proof" / "tests" / "gpu"))
+    import proof_settings   # the pack's copy: where torch looks for NCCL is the proof's knowledge
+    env[proof_settings.OVERLAY_VAR] = str(proof_settings.torch_overlay(lib, work / "torch-overlay"))
     env["GPU_PROOF_RANKS"] = "2 4"
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -304,7 +307,13 @@ sys.path.insert(0, os.path.join(sys.argv[1], "tests", "gpu"))
 import proof_settings
 import torch
 torch.cuda.init()
-out = {"mapped": proof_settings.mapped_libnccl(), "torch_nccl": list(torch.cuda.nccl.version())}
+# torch.cuda.nccl.version() is the NCCL torch was compiled against, not the one it runs on: ask the
+# library that the soname resolves to in this process (the one torch's DT_NEEDED bound to).
+import ctypes
+v = ctypes.c_int(0)
+ctypes.CDLL("libnccl.so.2").ncclGetVersion(ctypes.byref(v))
+out = {"mapped": proof_settings.mapped_libnccl(), "torch_nccl": list(torch.cuda.nccl.version()),
+       "runtime_nccl": [v.value // 10000, v.value // 100 % 100, v.value % 100]}
 try:
     try:     # the engine split moved load() into nccl_find; older wheels keep it in nccl_lib
         from hpct.distributed.nccl_find import load
@@ -325,8 +334,8 @@ def library_verdict(out: dict, lib: Path, nccl: str) -> list[str]:
     wrong = []
     if out.get("mapped") != [want]:
         wrong.append(f"libnccl mapped in the process: {out.get('mapped')}, expected only {want}")
-    if ".".join(map(str, out.get("torch_nccl", []))) != nccl:
-        wrong.append(f"torch reports NCCL {out.get('torch_nccl')}, expected {nccl} (the pack's)")
+    if ".".join(map(str, out.get("runtime_nccl", []))) != nccl:
+        wrong.append(f"the process runs NCCL {out.get('runtime_nccl')}, expected {nccl} (the pack's)")
     if out.get("hpct_error"):
         wrong.append(f"hpct could not load NCCL: {out['hpct_error']}")
     elif out.get("hpct_path") != want or not out.get("rootless"):
@@ -354,7 +363,18 @@ def run_library_check(python: str, work: Path, env: dict, manifest: dict, log, t
     out = json.loads(line[8:])
     wrong = library_verdict(out, work / "files" / manifest["libnccl"], manifest["target"]["nccl"])
     log("library: " + ("; ".join(wrong) if wrong else
-                       f"ok: torch and hpct both on {out['mapped'][0]} (NCCL {out['torch_nccl']})"))
+                       f"ok: torch and hpct both on {out['mapped'][0]} (NCCL {out['runtime_nccl']}; torch "
+                       f"was compiled against {out['torch_nccl']})"))
+    if wrong:     # which object opened which libnccl, and where torch's NCCL calls bound
+        try:
+            dbg = subprocess.run([python, "-P", "-c", "import torch; torch.cuda.nccl.version()"], cwd="/",
+                                 env={**child_env, "LD_DEBUG": "files,bindings"}, capture_output=True,
+                                 text=True, timeout=timeout)
+            lines = [ln.strip() for ln in dbg.stderr.splitlines()
+                     if "file=" in ln and "libnccl" in ln or "ncclGetVersion" in ln]
+            log("library: the dynamic linker said:\n  " + "\n  ".join(lines[:24]))
+        except subprocess.TimeoutExpired:
+            pass
     return not wrong
 
 

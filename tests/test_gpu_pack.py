@@ -50,6 +50,21 @@ def test_both_stacks_get_the_packs_libnccl_preloaded_and_one_reduction_order(tmp
     assert {k: env[k] for k in ("NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS")} == \
         {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple", "NCCL_MIN_NCHANNELS": "1", "NCCL_MAX_NCHANNELS": "1"}
     assert "LD_LIBRARY_PATH" not in ps.proof_env(lib, None, base={})
+    assert "PYTHONPATH" not in ps.proof_env(lib, None, base={})
+
+
+def test_torchs_own_nccl_preload_finds_the_packs_file_first(tmp_path):
+    """torch's __init__ opens nvidia/nccl/lib/libnccl.so.* from the first sys.path entry that has
+    one; the overlay, first on PYTHONPATH, points there at the pack's file (one copy mapped)."""
+    lib = fake_lib(tmp_path)
+    root = ps.torch_overlay(lib, tmp_path / "overlay")
+    assert ps.torch_overlay(lib, root) == root                                # idempotent
+    place = root / "nvidia" / "nccl" / "lib" / "libnccl.so.2"
+    assert place.resolve() == lib.resolve() and place.read_bytes() == lib.read_bytes()
+    assert not (root / "nvidia" / "__init__.py").exists()     # `import nvidia` still finds the wheels'
+    assert [p.name for p in place.parent.iterdir()] == ["libnccl.so.2"]      # no temporary left
+    env = ps.proof_env(lib, None, base={"PYTHONPATH": "/site"}, overlay=root)
+    assert env["PYTHONPATH"].split(":") == [str(root), "/site"]
 
 
 def test_the_settings_refuse_a_library_that_is_not_there(tmp_path):
@@ -73,6 +88,9 @@ def test_the_runner_hands_the_tests_the_packs_library(tmp_path):
     assert ranks["LD_PRELOAD"].split(":")[0] == str(lib.resolve()) == ranks["HPCT_NCCL_LIBRARY"]
     assert ranks["LD_LIBRARY_PATH"].split(":")[0] == "/opt/torch/site-packages/nvidia/cu13/lib"
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(work / "site")
+    overlay = work / "torch-overlay"
+    assert ranks["PYTHONPATH"].split(os.pathsep)[:2] == [str(overlay), str(work / "site")]
+    assert (overlay / "nvidia" / "nccl" / "lib" / "libnccl.so.2").resolve() == lib.resolve()
 
 
 def test_mapped_libnccl_reads_every_mapping():
@@ -209,12 +227,13 @@ def test_gpu_sh_preflight_refuses_on_this_machine_with_every_reason(tmp_path):
 
 def test_the_library_check_wants_one_libnccl_shared_by_both_stacks(tmp_path):
     lib = fake_lib(tmp_path)
-    good = {"mapped": [str(lib)], "torch_nccl": [2, 30, 7], "hpct_path": str(lib), "hpct_how": "loaded by torch",
-            "rootless": True}
+    # torch_nccl is what torch was compiled against (2.28.9 on the device's torch 2.11): no verdict
+    good = {"mapped": [str(lib)], "torch_nccl": [2, 28, 9], "runtime_nccl": [2, 30, 7], "hpct_path": str(lib),
+            "hpct_how": "loaded by torch", "rootless": True}
     assert gpu_device.library_verdict(good, lib, "2.30.7") == []
-    two = {**good, "mapped": [str(lib), "/venv/nvidia/nccl/lib/libnccl.so.2"], "torch_nccl": [2, 28, 9]}
+    two = {**good, "mapped": [str(lib), "/venv/nvidia/nccl/lib/libnccl.so.2"], "runtime_nccl": [2, 28, 9]}
     wrong = gpu_device.library_verdict(two, lib, "2.30.7")
-    assert len(wrong) == 2 and "expected only" in wrong[0] and "NCCL [2, 28, 9], expected 2.30.7" in wrong[1]
+    assert len(wrong) == 2 and "expected only" in wrong[0] and "runs NCCL [2, 28, 9], expected 2.30.7" in wrong[1]
     assert "hpct could not load" in gpu_device.library_verdict({**good, "hpct_error": "x"}, lib, "2.30.7")[0]
 
 

@@ -6,7 +6,12 @@ needs both on the SAME libnccl, with one reduction order, on inputs whose sums a
 * the same library: torch 2.11 on the device loads its own NCCL (2.28.9), hpct loads the
   pack's patched 2.30.7.  ``LD_PRELOAD`` of the pack's libnccl.so.2 makes the dynamic linker
   hand that library to torch's ``DT_NEEDED libnccl.so.2`` (an already loaded object with that
-  SONAME satisfies it), and hpct then finds it mapped (nccl_lib.choose: "loaded by torch");
+  SONAME satisfies it), and hpct then finds it mapped (nccl_lib.choose: "loaded by torch").
+  LD_PRELOAD alone is not enough: torch's ``__init__`` also opens ``nvidia/nccl/lib/libnccl.so.*``
+  by its full path from the first ``sys.path`` entry that has one, a second copy, and on the
+  device (2026-11-26, torch 2.11.0+cu130) torch bound to that copy.  So the ranks also get a
+  folder first on PYTHONPATH whose ``nvidia/nccl/lib/libnccl.so.2`` is the pack's file
+  (torch_overlay): torch's own loader then opens the preloaded file again, one copy in all;
 * one reduction order: ``NCCL_ALGO=Ring``, ``NCCL_PROTO=Simple`` and one channel, so both
   stacks run the same kernel over the same ring with the same chunking;
 * exact sums: integer-valued inputs small enough that every partial sum, in any order, is an
@@ -29,6 +34,9 @@ PINS = {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple", "NCCL_MIN_NCHANNELS": "1", 
 # Set by ci/gpu_device.py for the test process; the ranks get proof_env() of them.
 LIBNCCL_VAR = "GPU_PROOF_LIBNCCL"
 CUDART_VAR = "GPU_PROOF_CUDART_DIR"
+OVERLAY_VAR = "GPU_PROOF_TORCH_OVERLAY"
+# Where torch's __init__ looks for the NCCL it preloads, under each sys.path entry.
+TORCH_NCCL_PLACE = ("nvidia", "nccl", "lib", "libnccl.so.2")
 # The ONLY_FUNCS spec (hpct-build build nccl --funcs) that builds what the proof can reach under
 # PINS: every collective, reduction and type except fp8, but Ring/Simple only (the algorithms x
 # protocols cut is most of the size).  Not only the proof's own calls: torch's side issues its
@@ -46,14 +54,15 @@ class ProofSettingsError(ValueError):
 
 
 def proof_env(libnccl: str | os.PathLike, cudart_dir: str | os.PathLike | None = None,
-              base: Mapping[str, str] | None = None) -> dict[str, str]:
+              base: Mapping[str, str] | None = None, overlay: str | os.PathLike | None = None) -> dict[str, str]:
     """The variables every rank gets, stock and hpct alike (merge them over the environment).
 
     ``libnccl``: the pack's libnccl.so.2 (absolute, existing).  ``cudart_dir``: the folder of
     the libcudart.so.13 torch loads, put first on LD_LIBRARY_PATH so that the preloaded
     library (whose RUNPATH names a wheel layout the pack does not have) finds that same copy.
-    ``base``: the environment the ranks inherit (default os.environ): its LD_PRELOAD and
-    LD_LIBRARY_PATH are kept, after ours.
+    ``base``: the environment the ranks inherit (default os.environ): its LD_PRELOAD,
+    LD_LIBRARY_PATH and PYTHONPATH are kept, after ours.  ``overlay``: torch_overlay()'s folder,
+    put first on PYTHONPATH.
     """
     base = os.environ if base is None else base
     lib = Path(libnccl)
@@ -66,7 +75,25 @@ def proof_env(libnccl: str | os.PathLike, cudart_dir: str | os.PathLike | None =
     env["NCCL_SOCKET_IFNAME"] = "lo"
     if cudart_dir:
         env["LD_LIBRARY_PATH"] = _prepend(str(cudart_dir), base.get("LD_LIBRARY_PATH", ""))
+    if overlay:
+        env["PYTHONPATH"] = _prepend(str(overlay), base.get("PYTHONPATH", ""))
     return env
+
+
+def torch_overlay(libnccl: str | os.PathLike, root: str | os.PathLike) -> Path:
+    """Make ``root`` a folder whose nvidia/nccl/lib/libnccl.so.2 is a link to ``libnccl`` and
+    return it.  First on PYTHONPATH, it is where torch's own preload finds NCCL, so torch opens
+    the pack's file (the one LD_PRELOAD mapped: the same file is mapped once) instead of its
+    wheel's.  ``root/nvidia`` has no __init__.py, so ``import nvidia`` still finds the wheels'
+    package.  Replaced atomically; idempotent."""
+    root = Path(root)
+    link = root.joinpath(*TORCH_NCCL_PLACE)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(link.name + f".tmp{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(Path(libnccl).resolve())
+    os.replace(tmp, link)
+    return root
 
 
 def from_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -76,7 +103,7 @@ def from_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     if not lib:
         raise ProofSettingsError(f"{LIBNCCL_VAR} is unset: the proof runs both stacks on the pack's "
                                  "libnccl; run it through ci/gpu.sh (which sets it)")
-    return proof_env(lib, environ.get(CUDART_VAR) or None, environ)
+    return proof_env(lib, environ.get(CUDART_VAR) or None, environ, environ.get(OVERLAY_VAR) or None)
 
 
 def mapped_libnccl(maps: str | None = None) -> list[str]:
