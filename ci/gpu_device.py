@@ -2,7 +2,7 @@
 """The device side of the GPU proof: check the machine, install from the pack, run the proof.
 
     python3 ci/gpu_device.py preflight [--from DIR] [--json FILE]
-    python3 ci/gpu_device.py run [--from DIR] [--work DIR] [--phase smoke|proof|more|all]
+    python3 ci/gpu_device.py run [--from DIR] [--work DIR] [--phase smoke|proof|more|overhead|all]
                                  [--report DIR] [--budget-s SECONDS]
 
 Nothing is built here: the pack (ci/gpu_pack.py, made on the CPU machine) carries the patched
@@ -53,6 +53,8 @@ PHASES = {
              _T + "test_start_up_recovery_and_latency_table[2]",
              _T + "test_bus_bandwidth_table[2]"],
 }
+# Where a small op's time goes (run under MPS: without it the ranks' kernels take turns on the GPU)
+PHASES["overhead"] = [_T + "test_launch_overhead_table[4]", _T + "test_launch_overhead_table[2]"]
 PHASES["all"] = PHASES["smoke"] + PHASES["proof"]
 
 

@@ -83,6 +83,17 @@ def test_start_up_recovery_and_latency_table(n):
     (report / f"timing-{n}.txt").write_text(table)
 
 
+@pytest.mark.parametrize("n", RANKS)
+def test_launch_overhead_table(n):
+    """Not a claim: where a small op's time goes (stock, the engine, bare NCCL calls)."""
+    outs = run_ranks(n, "overhead")
+    table = next((o for o in outs if "OVERHEAD" in o), "")
+    assert table.count(f"OVERHEAD n={n}") == 15 and "PROFILE" in table, outs
+    report = Path(os.environ.get("GPU_PROOF_REPORT", "build/gpu-proof"))
+    report.mkdir(parents=True, exist_ok=True)
+    (report / f"overhead-{n}.txt").write_text(table)
+
+
 # DDP on CUDA through the hpct backend (its NCCL engine) against torch's own NCCL, and the
 # in-process recovery of the CPU tier (tests/test_recovery.py) on the GPU: the same trainer.
 STEPS, KILL_STEP = 20, 10
