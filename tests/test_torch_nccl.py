@@ -33,13 +33,21 @@ def _drop_in():
     return dist
 
 
+def _running_version(path) -> int:
+    import ctypes
+    v = ctypes.c_int(0)
+    assert ctypes.CDLL(path).ncclGetVersion(ctypes.byref(v)) == 0
+    return v.value
+
+
 def test_import_torch_maps_hpcts_libnccl_and_reports_2_30_7():
     dist = _drop_in()
     import torch
     from hpct.distributed.nccl_find import exports, torch_loaded_libnccl
     assert torch.version.cuda is not None, "this check needs a CUDA build of torch"
-    assert torch.cuda.nccl.version() == (2, 30, 7)
     mapped = torch_loaded_libnccl()
+    # torch.cuda.nccl.version() is the NCCL torch was compiled against; ask the library it runs on.
+    assert _running_version(mapped) == 23007
     assert mapped is not None, "import torch mapped no libnccl"
     shipped = {os.path.realpath(dist.locate_file(f)) for f in dist.files if "libnccl.so" in str(f)}
     assert os.path.realpath(mapped) in shipped, (mapped, shipped)
@@ -62,3 +70,42 @@ def test_doctor_is_green_on_the_drop_in():
     # torch's libnccl is hpct's: the NCCL engine uses the library torch already mapped
     assert rows["libnccl"]["status"] == "ok" and "2.30.7" in rows["libnccl"]["detail"], rows["libnccl"]
     assert rows["nccl for hpct"]["status"] == "ok", rows["nccl for hpct"]
+
+
+_MAPPED = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch, proof_settings
+print(proof_settings.mapped_libnccl())
+"""
+
+
+def test_the_gpu_proofs_settings_leave_torch_one_libnccl_the_packs(tmp_path):
+    """The GPU proof's rule that both stacks run one libnccl (tests/gpu/proof_settings.py), with a
+    real CUDA torch and no GPU.  A copy of torch's libnccl at another path stands for the pack's.
+    LD_PRELOAD alone leaves two mapped, because torch's __init__ opens its wheel's by path (what the
+    first device run found, torch 2.11); with the overlay first on PYTHONPATH only the pack's is."""
+    import shutil
+    import torch
+    from hpct.distributed.nccl_find import torch_loaded_libnccl
+    if torch.version.cuda is None:
+        pytest.skip("a CPU torch maps no libnccl: the torch tier's CUDA torch 2.15 runs this")
+    theirs = torch_loaded_libnccl()
+    assert theirs, "import torch mapped no libnccl"
+    gpu_tests = Path(__file__).resolve().parent / "gpu"
+    sys.path.insert(0, str(gpu_tests))
+    import proof_settings as ps
+    lib = tmp_path / "pack" / "nccl" / "lib" / "libnccl.so.2"
+    lib.parent.mkdir(parents=True)
+    shutil.copyfile(os.path.realpath(theirs), lib)
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "PYTHONPATH")}
+
+    def mapped(env):
+        proc = subprocess.run([sys.executable, "-P", "-c", _MAPPED, str(gpu_tests)], env={**base, **env},
+                              capture_output=True, text=True, timeout=180, cwd=str(tmp_path))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1].replace("'", '"'))
+    without = mapped(ps.proof_env(lib, None, base=base))
+    assert sorted(without) == sorted({os.path.realpath(lib), os.path.realpath(theirs)}), without
+    overlay = ps.torch_overlay(lib, tmp_path / "overlay")
+    assert mapped(ps.proof_env(lib, None, base=base, overlay=overlay)) == [os.path.realpath(lib)]
