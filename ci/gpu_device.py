@@ -3,7 +3,7 @@
 
     python3 ci/gpu_device.py preflight [--from DIR] [--json FILE]
     python3 ci/gpu_device.py run [--from DIR] [--work DIR] [--phase smoke|proof|more|overhead|all]
-                                 [--report DIR] [--budget-s SECONDS]
+                                 [--report DIR] [--budget-s SECONDS] [--mps]
 
 Nothing is built here: the pack (ci/gpu_pack.py, made on the CPU machine) carries the patched
 libnccl, the hpct wheel, the proof's tests and this script.  ``run`` = preflight, install
@@ -229,6 +229,45 @@ def preflight(pack: Path, python: str, shown: str | None = None,
     return manifest, facts, check(facts, target, python) + pack_problems
 
 
+# ------------------------------------------------------------------------------ MPS
+# Without MPS the ranks sharing the one GPU take turns on it in time slices of milliseconds, which
+# is what a small op's latency then measures (27 ms per 4 B all_reduce at N = 4, 2026-11-26).
+MPS_CONTROL = "nvidia-cuda-mps-control"
+
+
+def mps_problem() -> Problem | None:
+    if shutil.which(MPS_CONTROL):
+        return None
+    return Problem("mps", f"--mps: {MPS_CONTROL} is not on PATH",
+                   "run on the GPU machine (its image has it), or leave --mps out")
+
+
+def start_mps(work: Path, log) -> bool:
+    """Start the MPS control daemon for this run (its pipes under ``work``); the tests inherit the
+    variables that reach it.  False when it did not start."""
+    for name, sub in (("CUDA_MPS_PIPE_DIRECTORY", "pipe"), ("CUDA_MPS_LOG_DIRECTORY", "log")):
+        folder = work / "mps" / sub
+        folder.mkdir(parents=True, exist_ok=True)
+        os.environ[name] = str(folder)
+    try:
+        proc = subprocess.run([MPS_CONTROL, "-d"], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        log(f"mps: {MPS_CONTROL} -d failed: {err}")
+        return False
+    log("mps: started" if proc.returncode == 0 else f"mps: {MPS_CONTROL} -d exited {proc.returncode}: "
+        f"{(proc.stderr or proc.stdout).strip()[-400:]}")
+    return proc.returncode == 0
+
+
+def stop_mps(log) -> None:
+    try:
+        subprocess.run([MPS_CONTROL], input="quit\n", capture_output=True, text=True, timeout=30)
+        log("mps: stopped")
+    except (OSError, subprocess.TimeoutExpired) as err:
+        log(f"mps: quit failed: {err}")
+
+
 def report_problems(problems: list[Problem]) -> None:
     print(f"ci/gpu.sh: the preflight refused ({len(problems)} problem{'s' if len(problems) > 1 else ''}):",
           file=sys.stderr)
@@ -427,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=540.0, help="the whole command's time (default 540)")
     ap.add_argument("--json", type=Path, default=None, help="preflight: also write the facts here")
     ap.add_argument("--python", default=os.environ.get("PYTHON") or sys.executable)
+    ap.add_argument("--mps", action="store_true", help="run the tests under MPS (started and stopped here)")
     try:
         args = ap.parse_args(argv)
     except SystemExit as exc:
@@ -437,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     # The probe may take at most half the budget: a torch that hangs on import must not eat the call.
     probe_s = min(PROBE_TIMEOUT, max(30.0, args.budget_s / 2))
     manifest, facts, problems = preflight(pack, args.python, str(args.pack), probe_s)
+    if args.mps and mps_problem():
+        problems.append(mps_problem())
     record = args.json or (args.report / "preflight.json" if args.command == "run" else None)
     if record:
         record.parent.mkdir(parents=True, exist_ok=True)
@@ -464,6 +506,17 @@ def main(argv: list[str] | None = None) -> int:
     except Refused as err:
         log(f"install refused: {err}")
         return EXIT_PREFLIGHT
+    if args.mps and not start_mps(work, log):
+        return EXIT_PREFLIGHT
+    try:
+        return run_phase(args, work, manifest, facts, report, logfile, log, started)
+    finally:
+        if args.mps:
+            stop_mps(log)
+
+
+def run_phase(args, work: Path, manifest: dict, facts: dict, report: Path, logfile: Path, log,
+              started: float) -> int:
     env = proof_environ(work, manifest, facts, report)
     rc = 0
     nodes = list(PHASES[args.phase])

@@ -211,10 +211,15 @@ def test_gpu_sh_preflight_refuses_on_this_machine_with_every_reason(tmp_path):
     """The real probe on this CPU machine: no driver, no device, no pack; exit 3, one list."""
     if shutil.which("nvidia-smi") or Path("/proc/driver/nvidia/version").exists():
         pytest.skip("this machine has an NVIDIA driver: ci/gpu.sh is for the device")
-    done = subprocess.run(["bash", str(REPO / "ci" / "gpu.sh"), "--preflight", "--from", str(tmp_path / "nopack")],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHON": sys.executable})
+    # --mps: the MPS control program is named too (a PATH without CUDA's bin, where it lives)
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if not shutil.which(
+        gpu_device.MPS_CONTROL, path=p))
+    done = subprocess.run(["bash", str(REPO / "ci" / "gpu.sh"), "--preflight", "--mps", "--from",
+                           str(tmp_path / "nopack")], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHON": sys.executable, "PATH": path})
     assert done.returncode == gpu_device.EXIT_PREFLIGHT, done.stderr
     err = done.stderr
+    assert "mps: --mps: nvidia-cuda-mps-control is not on PATH" in err and "leave --mps out" in err
     assert "the preflight refused" in err and "no NVIDIA driver" in err
     assert f"no pack at {tmp_path / 'nopack'}" in err and "ci/gpu.sh --pack" in err
     if not torch.cuda.is_available():
@@ -462,3 +467,28 @@ def test_reuse_takes_only_a_build_made_with_the_same_settings(tmp_path):
     assert gpu_pack.built_nccl(tmp_path, None, "90", "fedc9876") is None     # another patch series: rebuild
     assert re.fullmatch(r"[0-9a-f]{16}", gpu_pack.series_id(REPO))
     assert gpu_pack.resolve_funcs("proof") == ps.PROOF_FUNCS and gpu_pack.resolve_funcs("all") is None
+
+
+def test_mps_is_started_for_the_tests_and_stopped_after(tmp_path, monkeypatch):
+    """--mps: the control daemon is started with its pipes under the run's folder (the tests
+    inherit the variables) and told to quit at the end; a daemon that fails to start is reported."""
+    calls = tmp_path / "calls"
+    fake = tmp_path / "bin" / gpu_device.MPS_CONTROL
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\necho "args=$* pipe=$CUDA_MPS_PIPE_DIRECTORY stdin=$(cat)" >> {calls}\n'
+                    'exit "${FAKE_MPS_RC:-0}"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    for name in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"):
+        monkeypatch.setenv(name, "")          # restored after the test
+    said = []
+    assert gpu_device.mps_problem() is None
+    assert gpu_device.start_mps(tmp_path / "work", said.append)
+    gpu_device.stop_mps(said.append)
+    pipe = tmp_path / "work" / "mps" / "pipe"
+    assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(pipe) and pipe.is_dir()
+    assert calls.read_text().splitlines() == [f"args=-d pipe={pipe} stdin=", f"args= pipe={pipe} stdin=quit"]
+    assert said == ["mps: started", "mps: stopped"]
+    monkeypatch.setenv("FAKE_MPS_RC", "3")
+    assert not gpu_device.start_mps(tmp_path / "work", said.append)
+    assert said[-1].startswith(f"mps: {gpu_device.MPS_CONTROL} -d exited 3")
