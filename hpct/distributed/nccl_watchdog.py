@@ -14,8 +14,10 @@ never queued here: querying or waiting for its event would break the capture.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 
 from . import nccl_lib
 from .nccl_comm import ENDED
@@ -23,6 +25,28 @@ from .nccl_work import NcclGroupError, NcclOpTimeoutError
 
 WATCHDOG_PERIOD_S = 0.05
 P2P_FLUSH_S = 0.2
+EXIT_JOIN_S = 2.0        # at interpreter exit: how long the threads get to leave torch's C++ code
+
+# Every engine's threads, stopped before the interpreter finalizes.  A daemon thread that is in
+# torch's C++ with the GIL released (a future's set_result, an event's synchronize) when
+# finalization starts is ended by pthread_exit on its way back, and that unwinding through
+# C++ noexcept frames is std::terminate: "terminate called without an active exception", exit 134,
+# for a script that ends without destroy_process_group just after a burst of ops.
+_LIVE: "weakref.WeakSet[Watchers]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    live = list(_LIVE)
+    end = time.monotonic() + EXIT_JOIN_S
+    for w in live:
+        w.exiting = True
+        w.stop.set()
+        w.wake()
+    for w in live:
+        for t in w._threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, end - time.monotonic()))
 
 
 class Watchers:
@@ -34,10 +58,12 @@ class Watchers:
         self._queue: list = []                 # launched works whose futures are not settled yet
         self._cv = threading.Condition()
         self._threads: list[threading.Thread] = []
+        self.exiting = False                  # the interpreter is ending: leave without settling
 
     def start(self) -> None:
         if self._threads:
             return
+        _LIVE.add(self)
         name = self.engine.group_name
         for target, what in ((self._watch, "watchdog"), (self._complete_in_order, "completer")):
             t = threading.Thread(target=target, daemon=True, name=f"hpct-nccl-{what}-{name}")
@@ -65,7 +91,7 @@ class Watchers:
         runtime = self.engine.runtime
         while True:
             with self._cv:
-                while not self._queue:
+                while not self._queue or self.exiting:
                     if self.stop.is_set():
                         return
                     self._cv.wait(WATCHDOG_PERIOD_S)
