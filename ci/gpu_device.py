@@ -324,6 +324,15 @@ def pip_install(python: str, wheels: list[Path], site: Path, log) -> None:
 
 
 # ------------------------------------------------------------------------------ the proof
+def pack_settings(work: Path):
+    """The installed pack's tests/gpu/proof_settings (this script imports nothing else of it)."""
+    folder = str(work / "files" / "proof" / "tests" / "gpu")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    import proof_settings
+    return proof_settings
+
+
 def proof_environ(work: Path, manifest: dict, facts: dict, report: Path) -> dict:
     """The test process's environment: the installed hpct first on sys.path, and where the
     pack's libnccl and torch's libcudart are (proof_settings.from_environ turns these into the
@@ -334,9 +343,8 @@ def proof_environ(work: Path, manifest: dict, facts: dict, report: Path) -> dict
     env["GPU_PROOF_LIBNCCL"] = str(lib.resolve())
     env["GPU_PROOF_CUDART_DIR"] = str(Path(facts["cudart"][0]).parent) if facts.get("cudart") else ""
     env["GPU_PROOF_REPORT"] = str(report)
-    sys.path.insert(0, str(work / "files" / "proof" / "tests" / "gpu"))
-    import proof_settings   # the pack's copy: where torch looks for NCCL is the proof's knowledge
-    env[proof_settings.OVERLAY_VAR] = str(proof_settings.torch_overlay(lib, work / "torch-overlay"))
+    settings = pack_settings(work)     # where torch looks for NCCL is the proof's knowledge
+    env[settings.OVERLAY_VAR] = str(settings.torch_overlay(lib, work / "torch-overlay"))
     env["GPU_PROOF_RANKS"] = "2 4"
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -388,9 +396,7 @@ def library_verdict(out: dict, lib: Path, nccl: str) -> list[str]:
 def run_library_check(python: str, work: Path, env: dict, manifest: dict, log, timeout: float) -> bool:
     """One process under the ranks' settings: torch must have loaded the pack's libnccl (and no
     other), report its version, and hpct must use that same mapping."""
-    sys.path.insert(0, str(work / "files" / "proof" / "tests" / "gpu"))
-    import proof_settings   # the pack's copy
-    child_env = {**env, **proof_settings.from_environ(env)}
+    child_env = {**env, **pack_settings(work).from_environ(env)}
     try:
         proc = subprocess.run([python, "-P", "-c", _LIBRARY_CHECK, str(work / "files" / "proof")], env=child_env,
                               capture_output=True, text=True, timeout=timeout, cwd="/")
@@ -477,8 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     # The probe may take at most half the budget: a torch that hangs on import must not eat the call.
     probe_s = min(PROBE_TIMEOUT, max(30.0, args.budget_s / 2))
     manifest, facts, problems = preflight(pack, args.python, str(args.pack), probe_s)
-    if args.mps and mps_problem():
-        problems.append(mps_problem())
+    if args.mps and (missing := mps_problem()):
+        problems.append(missing)
     record = args.json or (args.report / "preflight.json" if args.command == "run" else None)
     if record:
         record.parent.mkdir(parents=True, exist_ok=True)

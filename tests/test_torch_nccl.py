@@ -33,22 +33,16 @@ def _drop_in():
     return dist
 
 
-def _running_version(path) -> int:
-    import ctypes
-    v = ctypes.c_int(0)
-    assert ctypes.CDLL(path).ncclGetVersion(ctypes.byref(v)) == 0
-    return v.value
-
-
 def test_import_torch_maps_hpcts_libnccl_and_reports_2_30_7():
     dist = _drop_in()
     import torch
     from hpct.distributed.nccl_find import exports, torch_loaded_libnccl
+    from hpct.distributed.nccl_lib import NcclLibrary
     assert torch.version.cuda is not None, "this check needs a CUDA build of torch"
     mapped = torch_loaded_libnccl()
-    # torch.cuda.nccl.version() is the NCCL torch was compiled against; ask the library it runs on.
-    assert _running_version(mapped) == 23007
     assert mapped is not None, "import torch mapped no libnccl"
+    # torch.cuda.nccl.version() is the NCCL torch was compiled against; ask the library it runs on.
+    assert NcclLibrary(mapped, how="loaded by torch", shared_with_torch=True).version == 23007
     shipped = {os.path.realpath(dist.locate_file(f)) for f in dist.files if "libnccl.so" in str(f)}
     assert os.path.realpath(mapped) in shipped, (mapped, shipped)
     assert exports(mapped, "ncclCommInitRankRootless")
