@@ -10,6 +10,7 @@ VERBS = {
     "doctor": "check the installed build and this node; exit 0 only when all required checks pass",
     "ports": "show, apply or check the port plan against the kernel's port ranges",
     "demo": "train on a few local ranks, kill one, recover in-process; timings next to stock PyTorch",
+    "run": "launch a training script like torchrun; a lost worker is replaced, the others keep running",
     "diagnose": "run on every rank of a job: measure every link, name the slow one and the settings that differ",
 }
 

@@ -80,6 +80,9 @@ VARIABLES: tuple[Var, ...] = (
              "when it is hpct's"),
     Var("HPCT_GENERATION", "generation", "int", 0, 0, (1 << 31) - 1,
         help="membership generation a process starts in (a replacement joins at the survivors' next one)"),
+    Var("HPCT_AGENT_PORT", "agent_port", "int", None, 1024, MAX_PORT,
+        help="port of `hpct run`'s agent on every node (set by it for its workers, who ask it for the new "
+             "world in recover()); default for the agent: the first port after the NCCL block"),
     Var("RANK", "rank", "int", None, 0, 1 << 24, help="global rank (set by torchrun)"),
     Var("LOCAL_RANK", "local_rank", "int", None, 0, 1023, help="rank on this node (set by torchrun)"),
     Var("WORLD_SIZE", "world_size", "int", None, 1, 1 << 24, help="number of ranks (set by torchrun)"),
@@ -218,6 +221,7 @@ class Config:
     log_allreduce_from: int = DEFAULT_LOG_ALLREDUCE_FROM   # group size: small float sums in log depth
     generation: int = 0                    # bumped by each in-process recovery
     nccl_library: str | None = None        # the rootless libnccl for the CUDA half
+    agent_port: int | None = None          # hpct run's node agent (None: no agent)
     rank: int | None = None
     local_rank: int | None = None
     world_size: int | None = None
@@ -232,6 +236,11 @@ class Config:
     def blocks(self) -> dict[str, range]:
         return {"gloo": range(self.gloo_port_base, self.gloo_port_base + self.block_size),
                 "nccl": range(self.nccl_port_base, self.nccl_port_base + self.block_size)}
+
+    @property
+    def default_agent_port(self) -> int:
+        """Where ``hpct run``'s agents listen unless HPCT_AGENT_PORT says: right after the blocks."""
+        return max(b.stop for b in self.blocks.values())
 
     def __post_init__(self) -> None:
         _check_rules(self)
@@ -281,6 +290,10 @@ def _check_rules(c: Config) -> None:
             f"the gloo block {_span(g)} (TORCH_GLOO_GET_PORT_BASE={g.start}) overlaps the nccl block "
             f"{_span(n)} (TORCH_NCCL_GET_PORT_BASE={n.start})",
             fix=f"set TORCH_NCCL_GET_PORT_BASE to at least {g.stop} or unset it (it then follows the gloo block)")
+    if c.agent_port is not None and any(c.agent_port in b for b in blocks.values()):
+        raise ConfigError(f"HPCT_AGENT_PORT={c.agent_port} lies in the gloo block {_span(g)} or the nccl block "
+                          f"{_span(n)}", fix=f"unset HPCT_AGENT_PORT (it then follows the blocks) or pick a port "
+                                             f"outside both, e.g. {c.default_agent_port}")
     if c.local_world_size is not None and c.local_world_size != p:
         raise ConfigError(f"LOCAL_WORLD_SIZE={c.local_world_size} differs from N_PROC_PER_NODE={p}",
                           fix="set N_PROC_PER_NODE to the number of processes torchrun starts per node "

@@ -124,6 +124,13 @@ class DiagnoseTimeout(HpctError):
     exit_code = 17
 
 
+class LaunchError(HpctError):
+    """``hpct run`` refused its input (a flag, the host list, a peer agent of another job) or
+    ended the job (a worker out of restarts, a worker that cannot start, a scheduler's cancel)."""
+
+    exit_code = 18
+
+
 class TransportError(HpctError):
     """Root of the transport's own errors (``hpct._gloo.GlooError`` and its subclasses)."""
 

@@ -37,7 +37,7 @@ from .. import _gloo
 from ..config import Config
 from ..errors import ConfigError, PortPlanError, RendezvousError
 from ..ports import shared_peers
-from . import checks, slots
+from . import agent_link, checks, slots
 from .group import BACKEND_NAME, HpctProcessGroup
 from .monitor import monitored_barrier as _monitored_barrier
 from .slots import PlaceholderStore
@@ -213,6 +213,8 @@ def _create(dist_opts, backend_options=None):
             if _state.rank is None:       # started through torch's own init_process_group
                 _state.rank, _state.world_size = global_ranks[group_rank], group_size
                 _state.timeout = dist_opts.timeout
+    if is_world and cfg.agent_port is not None:
+        agent_link.report_joined(cfg, plan_rank(global_ranks[group_rank]), gen)
     return pg
 
 
@@ -373,8 +375,11 @@ def recover(world_size: int | None = None, rank: int | None = None, *, generatio
     new generation).  Groups made with ``new_group`` must be made again, in the same order.
     ``plan_ranks`` (default: the current world's) places each new global rank in the plan
     (elastic.py's shrink passes the survivors').
+    Under ``hpct run`` (HPCT_AGENT_PORT set) a call without arguments asks the node's agent for
+    all four: the world it replaced a worker into, or shrank to after losing a node.
     Raises RendezvousError when a member is missing at the connect deadline.
     """
+    ask_agent = (world_size, rank, generation, plan_ranks) == (None, None, None, None)
     with _LOCK:
         rank = _state.rank if rank is None else rank
         plan_ranks = _state.plan_ranks if plan_ranks is None else plan_ranks
@@ -386,6 +391,13 @@ def recover(world_size: int | None = None, rank: int | None = None, *, generatio
                           "or pass rank= and world_size=", fix="pass rank= and world_size=")
     abort_all("recovering")       # the fault path: peers see a reset and fail at once
     shutdown_all()
+    if ask_agent and cfg.agent_port is not None:
+        # Started by `hpct run`: its agent knows who was lost and the generation to meet in.
+        formed = _state.formed if _state.formed is not None else _current_generation() - 1
+        world = agent_link.new_world(cfg, plan_rank(rank), formed)
+        rank, world_size = world["rank"], world["world_size"]
+        generation = max(world["generation"], next_generation())
+        plan_ranks = world["plan_ranks"] if world["plan_ranks"] != list(range(world_size)) else None
     if generation is None:
         # One target per recovery, kept by a failed attempt: ranks that start recovering
         # seconds apart meet in it.  A peer seen in a newer generation wins.

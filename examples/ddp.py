@@ -1,0 +1,111 @@
+"""A DDP training script that survives the loss of a worker without restarting the others.
+
+    hpct run --nnodes 1 --nproc-per-node 4 --standby 1 examples/ddp.py --steps 200
+    torchrun --nproc-per-node 4 examples/ddp.py --steps 200 --backend gloo   # the same script, stock
+
+It is a torchrun script plus the recovery pattern of docs/launch.md: when a step fails (a peer
+was lost), abort, ``hd.recover()`` (the node's agent says the new world), take the state from a
+member that kept it, rebuild DDP, and do the failed step again.  A replacement (started by the
+agent with HPCT_GENERATION above 0) joins and receives the state instead of initialising it.
+Each step's batch is a function of (rank, step), so a run with faults ends with exactly the
+parameters of a run without: ``--out DIR`` writes each process's record and the final digest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import hpct.distributed as hd
+
+
+def build():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def ddp(model):
+    # find_unused_parameters keeps DDP's first bucket order for the whole run, so a DDP rebuilt
+    # after a recovery reduces in the same order as one that never failed (bit-identical runs).
+    return nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+
+
+def batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1_000_003 * step + rank)
+    return torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
+
+
+def join(model, opt, step: int, healthy: bool) -> int:
+    """Agree the state: the lowest member that kept its state sends it (with the step) to all."""
+    src = hd.healthy_source(healthy)
+    extra = hd.broadcast_state(model, opt, src=src, extra={"step": step})
+    return extra["step"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--step-time", type=float, default=0.0, help="seconds of simulated compute per step")
+    ap.add_argument("--out", default=None, help="folder for each process's record")
+    ap.add_argument("--backend", default="hpct", help="hpct, or gloo for the stock reference run")
+    args = ap.parse_args()
+    rank, t_start = int(os.environ["RANK"]), time.time()
+    record = {"rank": rank, "pid": os.getpid(), "generation": int(os.environ.get("HPCT_GENERATION") or 0),
+              "steps": [], "recoveries": []}
+    if args.backend == "hpct":
+        hd.init_process_group()
+    else:
+        dist.init_process_group(args.backend)
+    model, opt = build()
+    # A replacement holds no state until it joins; everyone else starts equal (same seed).
+    healthy, step, net = record["generation"] == 0, 0, None
+    while step < args.steps:
+        try:
+            if net is None:         # (re)join: after a recovery, or a replacement's first world
+                if not (healthy and not record["recoveries"] and record["generation"] == 0):
+                    step = join(model, opt, step, healthy)
+                healthy, net = True, ddp(model)
+            x, y = batch(dist.get_rank(), step)
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(net(x), y).backward()     # the gradient all_reduce
+        except RuntimeError:        # hpct's CollectiveError, or DDP's RuntimeError around it
+            if not any(pg.failure is not None for pg in hd.live_groups()):
+                raise               # not a lost peer: a bug of the script
+            t0 = time.time()        # a peer was lost: nobody stepped; recover and redo the step
+            hd.abort_all()
+            hd.recover()            # asks this node's agent for the new world
+            net = None
+            record["recoveries"].append({"at_step": step, "seconds": time.time() - t0,
+                                         "generation": hd.generation(), "time": time.time()})
+            continue
+        opt.step()
+        record["steps"].append([step, time.time()])
+        step += 1
+        if args.out:                # progress, for whoever watches the job (the tests do)
+            (Path(args.out) / f"progress-{rank}").write_text(str(step))
+        time.sleep(args.step_time)
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    record.update(digest=digest, start=t_start, end=time.time())
+    if args.out:
+        path = Path(args.out) / f"rank{rank}-pid{os.getpid()}.json"
+        path.with_suffix(".tmp").write_text(json.dumps(record))
+        path.with_suffix(".tmp").replace(path)
+    dist.barrier()
+    if args.backend == "hpct":
+        hd.shutdown_all()
+    else:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

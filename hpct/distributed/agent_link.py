@@ -1,0 +1,45 @@
+"""A worker's questions to its node's ``hpct run`` agent (HPCT_AGENT_PORT set: the agent started it).
+
+The agent is at this worker's own node's address in the host list.  ``new_world`` is what
+``recover()`` asks after a failure: the generation to re-form in, the world size, this
+worker's rank and every rank's plan place (the agent replaced a lost worker, or dropped a lost
+node).  ``report_joined`` tells the agent that this worker's world formed, so a later non-zero
+exit counts against ``--max-restarts`` instead of ending the job as a worker that cannot start.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..config import Config
+from ..errors import RendezvousError
+from ..launch import wire
+
+
+def _address(cfg: Config, place: int) -> tuple[str, int]:
+    return cfg.hosts[place // cfg.nproc_per_node], cfg.agent_port
+
+
+def new_world(cfg: Config, place: int, formed: int) -> dict:
+    """{generation, world_size, rank, plan_ranks} after the world formed in ``formed`` failed."""
+    host, port = _address(cfg, place)
+    try:
+        reply = wire.ask(host, port, {"op": "world", "place": place, "formed": formed, "pid": os.getpid()},
+                         cfg.connect_timeout)
+    except wire.WireError as err:
+        raise RendezvousError(f"recover(): this node's hpct run agent did not answer: {err}",
+                              fix="check that the agent is alive (its event log); HPCT_AGENT_PORT must be "
+                                  "the port it listens on") from None
+    if "error" in reply:
+        raise RendezvousError(f"recover(): the agent at {host}:{port} refused: {reply['error']}",
+                              fix="this worker is not in the job's new world: exit, the agent decides")
+    return reply
+
+
+def report_joined(cfg: Config, place: int, generation: int) -> None:
+    host, port = _address(cfg, place)
+    try:
+        wire.ask(host, port, {"op": "joined", "place": place, "generation": generation, "pid": os.getpid()},
+                 2.0)
+    except wire.WireError:
+        pass            # no agent to tell (it is going away): nothing depends on the answer

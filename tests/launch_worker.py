@@ -1,0 +1,45 @@
+"""A worker for `hpct run`'s tests that needs no torch (starts in milliseconds).
+
+    launch_worker.py OUT MODE [ARG]
+
+Every start writes OUT/start-<RANK>-<pid>.json with the environment the agent gave it.
+Modes: ``sleep S`` (then exit 0); ``fail CODE`` (exit at once, before joining: a worker that
+cannot start); ``joined-fail CODE`` (tell the agent its world formed, as hpct's backend does,
+then exit CODE: its own failure, retried by --max-restarts); ``term`` (on SIGTERM write
+OUT/term-<RANK>-<pid> and exit 0; otherwise sleep up to 60 s).
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from hpct.launch import wire
+
+out, mode = Path(sys.argv[1]), sys.argv[2]
+arg = sys.argv[3] if len(sys.argv) > 3 else "0"
+rank = os.environ["RANK"]
+(out / f"start-{rank}-{os.getpid()}.json").write_text(json.dumps(dict(os.environ)))
+if mode == "fail":
+    print(f"worker {rank}: cannot start, on purpose", flush=True)
+    sys.exit(int(arg))
+if mode == "joined-fail":
+    place = int(rank)
+    hosts = os.environ["HPCT_HOSTS"].split(",")
+    host = hosts[place // int(os.environ["N_PROC_PER_NODE"])]
+    wire.ask(host, int(os.environ["HPCT_AGENT_PORT"]),
+             {"op": "joined", "place": place, "generation": int(os.environ["HPCT_GENERATION"]),
+              "pid": os.getpid()}, 5.0)
+    print(f"worker {rank}: failing after joining, generation {os.environ['HPCT_GENERATION']}", flush=True)
+    sys.exit(int(arg))
+if mode == "term":
+    def on_term(signum, frame):
+        (out / f"term-{rank}-{os.getpid()}").write_text("")
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, on_term)
+    (out / f"ready-{rank}-{os.getpid()}").write_text("")
+    time.sleep(60)
+    sys.exit(5)
+time.sleep(float(arg))

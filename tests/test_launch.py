@@ -1,0 +1,200 @@
+"""`hpct run`: torchrun's command line, bad input refused by name, workers' failures handled.
+
+These use tests/launch_worker.py (no torch: each start takes milliseconds), so they prove the
+agent's decisions; tests/test_launch_recovery.py proves the recovery with real training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpct.errors import LaunchError
+from hpct.ports import free_port_block
+from launch_cluster import Agents
+from util import run_cli
+
+pytestmark = pytest.mark.multiprocess
+
+WORKER = str(Path(__file__).with_name("launch_worker.py"))
+# gloo + nccl blocks of 8 slots for up to 4 workers per node, the agent's port and MASTER_PORT
+PORTS = 2 * 8 * 4 + 2
+
+
+def port_base() -> str:
+    return str(free_port_block(PORTS))
+
+
+def run(tmp_path, *args, timeout=60):
+    return run_cli("hpct", "run", "--log-dir", str(tmp_path / "logs"), *args, timeout=timeout, cwd=tmp_path)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("args, message", [
+    (["--tee", "3"], "hpct run cannot honour torchrun's --tee"),
+    (["--local-addr", "x"], "cannot honour torchrun's --local-addr"),
+    (["--nnodes", "1:4"], "--nnodes 1:4: hpct run takes one number, not torchrun's MIN:MAX range"),
+    (["--nproc-per-node", "zero"], "--nproc-per-node 'zero' is not a positive whole number"),
+    (["--nnodes", "2", "--hosts", "a,b,c"], "3"),
+    (["--nnodes", "2"], "--nnodes 2 needs the nodes' addresses"),
+    (["--standalone", "--nnodes", "2"], "--standalone runs one node, but --nnodes is 2"),
+    (["--no-python", "--standby", "1"], "--standby needs a Python script"),
+    (["--max-restarts", "-1"], "--max-restarts -1 is negative"),
+    (["--nnodes", "2", "--hosts", "198.51.100.1,198.51.100.2"], "no entry of the host list"),
+    (["--nnodes", "2", "--hosts", "127.0.0.1,127.0.0.1"], "127.0.0.1"),
+])
+def test_bad_input_is_refused_by_name(tmp_path, args, message):
+    res = run(tmp_path, *args, WORKER, str(tmp_path), "sleep", "0")
+    assert res.returncode == LaunchError.exit_code, res.stderr
+    assert message in res.stderr, res.stderr
+    assert "fix:" in res.stderr
+    assert not list(tmp_path.glob("start-*")), "no worker may start"
+
+
+@pytest.mark.unit
+def test_a_missing_script_is_refused(tmp_path):
+    res = run(tmp_path, "--standalone", str(tmp_path / "nope.py"))
+    assert res.returncode == LaunchError.exit_code
+    assert f"the training script {str(tmp_path / 'nope.py')!r} does not exist" in res.stderr
+
+
+def test_workers_get_torchruns_environment_and_the_json_log(tmp_path):
+    res = run(tmp_path, "--nproc-per-node", "2", "--rdzv-id", "job7", "--port-base", port_base(),
+              "--master-addr", "10.0.0.9", "--json", str(tmp_path / "ev.jsonl"),
+              WORKER, str(tmp_path), "sleep", "0")
+    assert res.returncode == 0, res.stderr
+    envs = sorted((json.loads(p.read_text()) for p in tmp_path.glob("start-*.json")), key=lambda e: e["RANK"])
+    assert [e["RANK"] for e in envs] == ["0", "1"]
+    for local, e in enumerate(envs):
+        assert e["LOCAL_RANK"] == str(local) and e["WORLD_SIZE"] == "2" and e["LOCAL_WORLD_SIZE"] == "2"
+        assert e["GROUP_RANK"] == "0" and e["TORCHELASTIC_RUN_ID"] == "job7" and e["MASTER_ADDR"] == "127.0.0.1"
+        assert e["HPCT_USE_ROOTLESS"] == "1" and e["HPCT_GENERATION"] == "0" and e["N_PROC_PER_NODE"] == "2"
+        assert int(e["MASTER_PORT"]) == int(e["HPCT_AGENT_PORT"]) + 1
+    events = [json.loads(line) for line in (tmp_path / "ev.jsonl").read_text().splitlines()]
+    assert all(e["schema_version"] == 1 and e["node"] == 0 and "time" in e for e in events)
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "agent" and kinds[-1] == "done" and kinds.count("start") == 2
+    assert any(e["event"] == "unused" and e["flag"] == "--master-addr" for e in events)
+    assert "--master-addr is not used" in res.stderr
+    assert (tmp_path / "logs" / "node0" / "rank0-g0.log").exists()
+
+
+def test_a_worker_that_cannot_start_ends_the_job_at_once(tmp_path):
+    t0 = time.monotonic()
+    res = run(tmp_path, "--nproc-per-node", "2", "--max-restarts", "5", "--port-base", port_base(),
+              WORKER, str(tmp_path), "fail", "7")
+    assert res.returncode == 7, res.stderr
+    assert "could not start (exit 7)" in res.stderr
+    assert "cannot start, on purpose" in res.stderr          # the worker's last log lines
+    assert len(list(tmp_path.glob("start-*.json"))) <= 2      # no retries
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_workers_own_failure_is_retried_then_ends_the_job(tmp_path):
+    res = run(tmp_path, "--nproc-per-node", "1", "--max-restarts", "2", "--port-base", port_base(),
+              "--json", str(tmp_path / "ev.jsonl"), WORKER, str(tmp_path), "joined-fail", "3")
+    assert res.returncode == 3, res.stderr
+    assert "rank 0 failed 3 times (--max-restarts 2); last exit 3" in res.stderr
+    assert "failing after joining, generation 2" in res.stderr
+    starts = [json.loads(p.read_text()) for p in tmp_path.glob("start-*.json")]
+    assert sorted(int(e["HPCT_GENERATION"]) for e in starts) == [0, 1, 2]
+    assert sorted(e["TORCHELASTIC_RESTART_COUNT"] for e in starts) == ["0", "1", "2"]
+
+
+def test_sigterm_stops_the_workers_gracefully(tmp_path):
+    with Agents(tmp_path, ["--nproc-per-node", "2", "--port-base", port_base(),
+                           WORKER, str(tmp_path), "term"]) as agents:
+        agents.start()
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("ready-*"))) < 2:
+            assert time.monotonic() < deadline, agents.output(0)
+            time.sleep(0.02)
+        agents.procs[0].send_signal(signal.SIGTERM)
+        assert agents.wait(30) == [128 + signal.SIGTERM]
+        assert len(list(tmp_path.glob("term-*"))) == 2, "each worker got SIGTERM and exited by itself"
+        assert "stopped by signal 15" in agents.output(0)
+
+
+def test_two_agents_claiming_one_node_rank_are_refused(tmp_path):
+    args = ["--nnodes", "2", "--hosts", "127.0.0.1,127.0.0.2", "--node-rank", "0", "--port-base", port_base(),
+            WORKER, str(tmp_path), "sleep", "20"]
+    with Agents(tmp_path, args, nodes=2) as agents:
+        agents.start()
+        codes = None
+        end = time.monotonic() + 30
+        while codes is None and time.monotonic() < end:
+            done = [p.poll() for p in agents.procs]
+            codes = done if any(c is not None for c in done) else None
+            time.sleep(0.05)
+        loser = next(i for i, c in enumerate(codes) if c is not None)
+        assert codes[loser] == LaunchError.exit_code
+        out = agents.output(loser)
+        assert "node 0's agent cannot listen at 127.0.0.1:" in out and "another agent already holds" in out
+
+
+def test_agents_of_different_jobs_are_refused(tmp_path):
+    base = port_base()
+    nodes = [["--node-rank", "0", "--rdzv-id", "alpha"], ["--node-rank", "1", "--rdzv-id", "beta"]]
+    with Agents(tmp_path, ["--nnodes", "2", "--hosts", "127.0.0.1,127.0.0.2", "--port-base", base,
+                           WORKER, str(tmp_path), "sleep", "20"], nodes=2, node_args=nodes) as agents:
+        agents.start()
+        codes = agents.wait(40)
+    assert codes == [LaunchError.exit_code] * 2
+    text = agents.output(0) + agents.output(1)
+    refusal = [line for line in text.splitlines() if "error: refused at start" in line]
+    assert len(refusal) == 2, text
+    assert all("run_id" in line and "'alpha'" in line and "'beta'" in line for line in refusal), text
+    assert "the same --rdzv-id" in text
+    assert not list(tmp_path.glob("start-*")), "no worker may start"
+
+
+def three_agents(tmp_path, nodes=3, **kw) -> Agents:
+    hosts = ",".join(f"127.0.0.{i + 1}" for i in range(nodes))
+    return Agents(tmp_path, ["--nnodes", str(nodes), "--hosts", hosts, "--port-base", port_base(),
+                             "--node-grace", "1", WORKER, str(tmp_path), "term"], nodes=nodes,
+                  node_args=[["--node-rank", str(i)] for i in range(nodes)], **kw)
+
+
+def test_a_node_that_leaves_is_dropped_by_the_others(tmp_path):
+    with three_agents(tmp_path) as agents:
+        agents.start()
+        for n in range(3):
+            agents.wait_event(n, "start", 30)
+        agents.procs[2].send_signal(signal.SIGTERM)
+        assert agents.procs[2].wait(timeout=30) == 128 + signal.SIGTERM
+        for n in (0, 1):         # the first agent to see it drops node 2; the other takes that view
+            assert agents.wait_event(n, "view", 30)[-1]["nodes"] == [0, 1]
+        lost = agents.events(0, "node-lost") + agents.events(1, "node-lost")
+        assert lost and all(e["nodes"] == [2] and "node 2 left" in e["message"] for e in lost)
+        assert all(p.poll() is None for p in agents.procs[:2]), "2 of 3 is a majority: the job goes on"
+
+
+def test_a_side_without_a_majority_stops(tmp_path):
+    with three_agents(tmp_path, nodes=2) as agents:
+        agents.start()
+        for n in range(2):
+            agents.wait_event(n, "start", 30)
+        agents.procs[1].kill()           # node 1 disappears without a word
+        assert agents.procs[0].wait(timeout=30) == LaunchError.exit_code
+        out = agents.output(0)
+        assert "1 of the last view's 2 nodes remain here, no majority" in out, out
+        assert len(list(tmp_path.glob("term-0-*"))) == 1, "node 0's worker was stopped"
+
+
+def test_a_cancel_of_every_agent_ends_the_job_not_n_node_losses(tmp_path):
+    with three_agents(tmp_path) as agents:
+        agents.start()
+        for n in range(3):
+            agents.wait_event(n, "start", 30)
+        for p in agents.procs:
+            p.send_signal(signal.SIGTERM)
+        assert agents.wait(30) == [128 + signal.SIGTERM] * 3
+        for n in range(3):
+            assert not agents.events(n, "node-lost"), agents.output(n)
+            assert "stopped by signal 15" in agents.events(n, "end")[0]["message"]

@@ -1,0 +1,147 @@
+"""`hpct run` with real training (examples/ddp.py): a killed worker is replaced and nobody else
+restarts (checked by pid), with and without a warm standby, on one node and on two; a lost node
+is dropped and the survivors shrink.  Final parameters are compared with the same script run
+without faults by stock torchrun on Gloo: a replacement must change nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpct.ports import free_port_block
+from launch_cluster import Agents, records
+from netns import netns_network, unavailable_reason
+
+EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "ddp.py")
+STEPS = ["--steps", "60", "--step-time", "0.03"]
+LIMIT_S = 180
+
+
+def stock_digest(tmp: Path, nproc: int) -> str:
+    """The fault-free run: torchrun and torch's own Gloo backend, the same script."""
+    out = tmp / "stock"
+    out.mkdir()
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          f"--nproc-per-node={nproc}", EXAMPLE, *STEPS, "--backend", "gloo", "--out", str(out)],
+                         capture_output=True, text=True, timeout=LIMIT_S, cwd=tmp,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    digests = {r["digest"] for r in records(out)}
+    assert len(digests) == 1
+    return digests.pop()
+
+
+def progress(out: Path, rank: int) -> int:
+    try:
+        return int((out / f"progress-{rank}").read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def wait_progress(agents: Agents, out: Path, rank: int, step: int, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while progress(out, rank) < step:
+        assert time.monotonic() < end, agents.output(0)[-3000:]
+        assert all(p.poll() is None for p in agents.procs), [agents.output(n) for n in range(agents.nodes)]
+        time.sleep(0.05)
+
+
+def check_replaced(agents: Agents, out: Path, victim: int, world: int, expect: str) -> list[dict]:
+    recs = records(out)
+    by_rank = {}
+    for r in recs:
+        by_rank.setdefault(r["rank"], []).append(r)
+    assert sorted(by_rank) == list(range(world))
+    starts = [e for n in range(agents.nodes) for e in agents.events(n, "start")]
+    for rank, rs in by_rank.items():
+        assert len(rs) == 1, f"rank {rank} finished in {len(rs)} processes"
+        first = [e for e in starts if e["rank"] == rank and e["generation"] == 0]
+        if rank == victim:
+            assert rs[0]["generation"] >= 1 and rs[0]["pid"] != first[0]["pid"]
+        else:                      # a survivor: the very process started at generation 0
+            assert rs[0]["pid"] == first[0]["pid"] and rs[0]["generation"] == 0
+            assert len(rs[0]["recoveries"]) >= 1
+        assert rs[0]["digest"] == expect, f"rank {rank} differs from the fault-free run"
+    assert len([e for e in starts if e["generation"] > 0]) == 1, "exactly one process restarted"
+    return recs
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("standby", [0, 1])
+def test_a_killed_worker_is_replaced_and_nobody_else_restarts(tmp_path, standby):
+    expect = stock_digest(tmp_path, 3)
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["--nproc-per-node", "3", "--standby", str(standby), "--port-base", str(free_port_block(2 * 8 * 3 + 2)),
+            EXAMPLE, *STEPS, "--out", str(out)]
+    with Agents(tmp_path, args) as agents:
+        agents.start()
+        if standby:
+            agents.wait_event(0, "standby", 120)
+        wait_progress(agents, out, 1, 10)
+        victim = agents.worker_pid(0, 1)
+        os.kill(victim, signal.SIGKILL)
+        assert agents.wait(LIMIT_S) == [0], agents.output(0)
+    check_replaced(agents, out, 1, 3, expect)
+    replacement = agents.events(0, "start")[-1]
+    assert replacement["rank"] == 1 and replacement["warm"] is bool(standby)
+    if standby:
+        assert replacement["pid"] in {e["pid"] for e in agents.events(0, "standby")}
+
+
+@pytest.mark.multihost
+@pytest.mark.slow
+def test_two_nodes_replace_a_worker_and_shrink_on_a_lost_node(tmp_path):
+    if (why := unavailable_reason()) is not None:
+        pytest.skip(why)
+    expect = stock_digest(tmp_path, 4)
+    out = tmp_path / "out"
+    out.mkdir()
+    with netns_network(2, name_prefix="hpct-run", subnet="10.236.0") as ns:
+        hosts = ",".join(n.address for n in ns)
+        args = ["--nnodes", "2", "--nproc-per-node", "2", "--hosts", hosts, "--rdzv-id", "two",
+                EXAMPLE, *STEPS, "--out", str(out)]
+        with Agents(tmp_path, args, nodes=2, namespaces=ns) as agents:
+            agents.start()
+            wait_progress(agents, out, 3, 10)
+            os.kill(agents.worker_pid(1, 3), signal.SIGKILL)
+            assert agents.wait(LIMIT_S) == [0, 0], agents.output(0) + agents.output(1)
+        check_replaced(agents, out, 3, 4, expect)
+        assert agents.events(0, "view")[-1]["generation"] == 1, "node 0 learnt the new generation"
+
+
+@pytest.mark.multihost
+@pytest.mark.slow
+def test_a_lost_node_is_dropped_and_the_survivors_shrink(tmp_path):
+    if (why := unavailable_reason()) is not None:
+        pytest.skip(why)
+    out = tmp_path / "out"
+    out.mkdir()
+    with netns_network(3, name_prefix="hpct-run", subnet="10.236.0") as ns:
+        hosts = ",".join(n.address for n in ns)
+        args = ["--nnodes", "3", "--nproc-per-node", "1", "--hosts", hosts, "--node-grace", "2",
+                EXAMPLE, *STEPS, "--out", str(out)]
+        with Agents(tmp_path, args, nodes=3, namespaces=ns, env={"HPCT_CONNECT_TIMEOUT": "30"}) as agents:
+            agents.start()
+            wait_progress(agents, out, 2, 10)
+            agents.procs[2].kill()                       # the node goes: its agent, then its worker
+            os.kill(agents.worker_pid(2, 2), signal.SIGKILL)
+            codes = [agents.procs[n].wait(timeout=LIMIT_S) for n in (0, 1)]
+            assert codes == [0, 0], agents.output(0) + agents.output(1)
+    survivors = [r for r in records(out)]
+    assert sorted(r["rank"] for r in survivors) == [0, 1]
+    assert len({r["digest"] for r in survivors}) == 1
+    assert all(r["generation"] == 0 and r["recoveries"] for r in survivors), "no survivor restarted"
+    lost = [e for n in (0, 1) for e in agents.events(n, "node-lost")]
+    assert lost and all(e["nodes"] == [2] for e in lost), agents.output(0) + agents.output(1)
+    for n in (0, 1):                 # one agent noticed first; the other took its view
+        assert agents.events(n, "view")[-1]["nodes"] == [0, 1]
+        assert not [e for e in agents.events(n, "start") if e["generation"] > 0], "nothing restarted"
