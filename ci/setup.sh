@@ -15,7 +15,8 @@ if [ "${1:-}" = --tests ]; then
   # buildah and debootstrap build and run the image without a Docker daemon (tests/test_image.py);
   # torch's own distributed test harness (tests/test_torch_suites.py) imports expecttest;
   # benchmarks/model.py (run by tests/test_benchmarks.py) and `hpct diagnose --plot` plot with matplotlib.
-  APT_PACKAGES+=(buildah debootstrap)
+  # slurmctld, slurmd and munge run a real Slurm in network namespaces (tests/test_launch_slurm.py).
+  APT_PACKAGES+=(buildah debootstrap slurmctld slurmd slurm-client munge)
   PIP_TEST_PACKAGES=("expecttest>=0.2" "matplotlib>=3.7")
 elif [ $# -gt 0 ]; then
   echo "ci/setup.sh: unknown argument '$1'" >&2; echo "  fix: bash ci/setup.sh [--tests]" >&2; exit 2
@@ -42,7 +43,16 @@ for p in "${APT_PACKAGES[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"
 if [ ${#missing[@]} -gt 0 ]; then
   echo "ci/setup.sh: apt-get install ${missing[*]}"
   $SUDO apt-get update -qq
+  # Without an init system the packages' scripts would try to start their daemons (Slurm, munge):
+  # policy-rc.d says no for the length of the install; tests start their own.
+  rc_policy=""
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    rc_policy=/usr/sbin/policy-rc.d
+    printf '#!/bin/sh\nexit 101\n' | $SUDO tee "$rc_policy" >/dev/null && $SUDO chmod +x "$rc_policy"
+    trap '$SUDO rm -f "$rc_policy"' EXIT
+  fi
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+  if [ -n "$rc_policy" ]; then $SUDO rm -f "$rc_policy"; trap - EXIT; fi
 fi
 
 PY=${PYTHON:-python3}

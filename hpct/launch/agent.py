@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -50,6 +51,8 @@ class NodeAgent:
         self.cfg = Config.from_mapping({k: v for k, v in env.items() if k in _CONFIG_NAMES - _PER_WORKER} |
                                        dict(opts.port_env) | {"N_PROC_PER_NODE": str(opts.nproc_per_node)})
         self.port = self.cfg.agent_port or self.cfg.default_agent_port
+        # Names (Slurm's node001, a pod's DNS name) resolve once: every process then uses addresses.
+        self.addrs = tuple(_resolve(h) for h in opts.hosts)
         self.events = EventLog(self.node, opts.json_log)
         self.cond = threading.Condition()
         self.generation, self.nodes = 0, list(range(opts.nnodes))
@@ -71,9 +74,9 @@ class NodeAgent:
         base = {k: v for k, v in env.items() if not k.startswith("HPCT_")}
         base.update({"LOCAL_WORLD_SIZE": str(o.nproc_per_node), "GROUP_RANK": str(self.node),
                      "ROLE_NAME": "default", "TORCHELASTIC_RUN_ID": o.run_id,
-                     "TORCHELASTIC_MAX_RESTARTS": str(o.max_restarts), "MASTER_ADDR": o.hosts[0],
+                     "TORCHELASTIC_MAX_RESTARTS": str(o.max_restarts), "MASTER_ADDR": self.addrs[0],
                      "MASTER_PORT": str(self.port + 1), "HPCT_USE_ROOTLESS": "1",
-                     "HPCT_HOSTS": ",".join(o.hosts), "N_PROC_PER_NODE": str(o.nproc_per_node),
+                     "HPCT_HOSTS": ",".join(self.addrs), "N_PROC_PER_NODE": str(o.nproc_per_node),
                      "HPCT_AGENT_PORT": str(self.port), **dict(o.port_env)})
         base.update({k: env[k] for k in _CONFIG_NAMES - _PER_WORKER if k.startswith("HPCT_") and k in env})
         if o.nproc_per_node > 1:
@@ -180,7 +183,7 @@ class NodeAgent:
         silent = []
         for n in self._peers():
             try:
-                wire.ask(self.opts.hosts[n], self.port, {"op": "ping", **self._view()}, ASK_TIMEOUT_S)
+                wire.ask(self.addrs[n], self.port, {"op": "ping", **self._view()}, ASK_TIMEOUT_S)
             except wire.WireError:
                 silent.append(n)
         if silent:
@@ -220,7 +223,7 @@ class NodeAgent:
     def _push(self, view: dict) -> None:
         for n in self._peers():
             try:
-                wire.ask(self.opts.hosts[n], self.port, view, ASK_TIMEOUT_S)
+                wire.ask(self.addrs[n], self.port, view, ASK_TIMEOUT_S)
             except wire.WireError:
                 pass             # the heartbeat carries it later, or finds the node lost
 
@@ -242,7 +245,7 @@ class NodeAgent:
     def run(self) -> int:
         o = self.opts
         try:
-            server = wire.Server(o.hosts[self.node], self.port, self.handle)
+            server = wire.Server(self.addrs[self.node], self.port, self.handle)
         except OSError as err:
             raise LaunchError(f"node {self.node}'s agent cannot listen at {o.hosts[self.node]}:{self.port}: "
                               f"{err.strerror or err}",
@@ -284,7 +287,7 @@ class NodeAgent:
         while waiting:
             for n in sorted(waiting):
                 try:
-                    reply = wire.ask(o.hosts[n], self.port, hello, ASK_TIMEOUT_S)
+                    reply = wire.ask(self.addrs[n], self.port, hello, ASK_TIMEOUT_S)
                 except wire.WireError:
                     continue
                 if "error" in reply:
@@ -298,7 +301,7 @@ class NodeAgent:
                 raise JobEnd(LaunchError.exit_code,
                              f"the agents of nodes {sorted(waiting)} did not answer within "
                              f"{self.cfg.connect_timeout:g} s (HPCT_CONNECT_TIMEOUT) at "
-                             f"{', '.join(f'{o.hosts[n]}:{self.port}' for n in sorted(waiting))}",
+                             f"{', '.join(f'{self.addrs[n]}:{self.port}' for n in sorted(waiting))}",
                              fix="start hpct run on every node of the host list, or check that each node "
                                  "reaches the others at HPCT_AGENT_PORT")
             time.sleep(0.05 if waiting else 0)
@@ -309,7 +312,7 @@ class NodeAgent:
             view = {"op": "ping", **self._view()}
             for n in self._peers():
                 try:
-                    reply = wire.ask(self.opts.hosts[n], self.port, view, ASK_TIMEOUT_S)
+                    reply = wire.ask(self.addrs[n], self.port, view, ASK_TIMEOUT_S)
                     self._merge(reply["generation"], reply["nodes"], n)
                 except (wire.WireError, KeyError):
                     pass
@@ -368,7 +371,7 @@ class NodeAgent:
     def _tell_peers(self, message: dict) -> None:
         for n in self._peers():
             try:
-                wire.ask(self.opts.hosts[n], self.port, message, ASK_TIMEOUT_S)
+                wire.ask(self.addrs[n], self.port, message, ASK_TIMEOUT_S)
             except wire.WireError:
                 pass
 
@@ -385,6 +388,16 @@ class NodeAgent:
         if end.error and end.code == LaunchError.exit_code:
             raise LaunchError(end.message, fix=end.fix or "see the agents' event logs (--json) on every node")
         return end.code
+
+
+def _resolve(host: str) -> str:
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as err:
+        raise LaunchError(f"host {host!r} of the host list does not resolve: {err}",
+                          fix="list addresses, or names this node's resolver knows (/etc/hosts, DNS)") from None
+    ipv4 = [i[4][0] for i in infos if i[0] == socket.AF_INET]
+    return ipv4[0] if ipv4 else infos[0][4][0]
 
 
 # Set per worker by the agent, or replaced by the agent's own host list.

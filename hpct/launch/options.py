@@ -61,11 +61,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     def add(*flags: str, **kw) -> None:
         p.add_argument(*[s for f in flags for s in _spellings(f)], **kw)
 
-    add("--nnodes", default="1", help="number of nodes (torchrun's MIN:MAX ranges are refused)")
+    add("--nnodes", default=None, help="number of nodes (default: the host list's length, else 1; "
+        "torchrun's MIN:MAX ranges are refused)")
     add("--nproc-per-node", default=None, help="workers per node (default: Slurm's count, else 1)")
     add("--node-rank", type=int, default=None, help="this node's rank (default: SLURM_NODEID, "
         "the pod's index, or the host list entry that is an address of this machine)")
-    add("--max-restarts", type=int, default=0,
+    add("--max-restarts", type=int, default=None,
         help="times one rank's own failure (non-zero exit) is retried; a killed worker is always replaced")
     add("--rdzv-id", "--run-id", dest="run_id", default=None,
         help="the job's identity, equal on every agent (default: SLURM_JOB_ID, else 'none')")
@@ -113,11 +114,13 @@ class RunOptions:
 
     @classmethod
     def from_mapping(cls, args: Mapping, env: Mapping[str, str]) -> "RunOptions":
+        args = _with_pet_defaults(args, env)
         if args.get("refused"):
             flag = args["refused"][0]
             raise LaunchError(f"hpct run cannot honour torchrun's {flag}", fix=REFUSED_FLAGS[flag])
-        nnodes = _count("--nnodes", args["nnodes"], "a number of nodes such as 2")
+        nnodes = _count("--nnodes", args["nnodes"], "a number of nodes such as 2") if args.get("nnodes") else None
         hosts, source, slurm_rank, slurm_nproc = _hosts(args, env, nnodes)
+        nnodes = nnodes or len(hosts)
         nproc = args.get("nproc_per_node")
         nproc = _count("--nproc-per-node", nproc, "a number of workers such as 8") if nproc else (slurm_nproc or 1)
         node_rank = args.get("node_rank")
@@ -155,6 +158,27 @@ class RunOptions:
                    unused=tuple(args.get("unused") or ()))
 
 
+# torchrun reads PET_<FLAG> for a flag not given; Kubeflow's PyTorchJob and Trainer v2 set these.
+PET_DEFAULTS = {"nnodes": "PET_NNODES", "nproc_per_node": "PET_NPROC_PER_NODE", "node_rank": "PET_NODE_RANK",
+                "max_restarts": "PET_MAX_RESTARTS", "run_id": "PET_RDZV_ID"}
+
+
+def _with_pet_defaults(args: Mapping, env: Mapping[str, str]) -> dict:
+    merged = dict(args)
+    for key, var in PET_DEFAULTS.items():
+        if merged.get(key) is None and env.get(var):
+            raw = env[var]
+            if key in ("node_rank", "max_restarts"):
+                if not raw.isdigit():
+                    raise LaunchError(f"{var}={raw!r} is not a whole number", fix=f"set {var} to 0 or more")
+                raw = int(raw)
+            merged[key] = raw
+    merged.setdefault("max_restarts", 0)
+    if merged["max_restarts"] is None:
+        merged["max_restarts"] = 0
+    return merged
+
+
 def _count(flag: str, raw, example: str) -> int:
     text = str(raw)
     if ":" in text:
@@ -169,7 +193,7 @@ def _hosts(args: Mapping, env: Mapping[str, str], nnodes: int):
     """(hosts, where they came from, the scheduler's node rank, the scheduler's workers per node)."""
     from . import hosts as sources
     if args.get("standalone"):
-        if nnodes != 1:
+        if nnodes not in (None, 1):
             raise LaunchError(f"--standalone runs one node, but --nnodes is {nnodes}", fix="drop one of them")
         return ("127.0.0.1",), "--standalone", 0, None
     if args.get("hosts") and args.get("hostfile"):
@@ -185,15 +209,16 @@ def _hosts(args: Mapping, env: Mapping[str, str], nnodes: int):
     elif (slurm := sources.from_slurm(env)) is not None:
         found, source, rank, nproc = slurm.hosts, slurm.source, slurm.node_rank, slurm.nproc_per_node
     elif env.get("KUBERNETES_SERVICE_HOST") and \
-            (pod := sources.from_pod_name(socket.gethostname(), nnodes)) is not None:
+            (pod := sources.from_pod_name(socket.gethostname(), nnodes or 1)) is not None:
         found, source, rank = pod.hosts, pod.source, pod.node_rank
-    elif nnodes == 1:
+    elif nnodes in (None, 1):
         return ("127.0.0.1",), "one node", 0, None
     else:
         raise LaunchError(f"--nnodes {nnodes} needs the nodes' addresses",
                           fix="give --hosts a,b,... or --hostfile FILE (under Slurm they come from "
                               "SLURM_JOB_NODELIST)")
-    sources.check_hosts(found, nnodes, source)
+    if nnodes is not None:
+        sources.check_hosts(found, nnodes, source)
     return found, source, rank, nproc
 
 
