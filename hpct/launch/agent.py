@@ -150,6 +150,11 @@ class NodeAgent:
                        f"{self.node} has {value!r}")
                 self._refuse(why)
                 return {"error": why}
+        with self.cond:
+            dropped = req.get("node") not in self.nodes
+        if dropped:
+            return {"error": f"node {req.get('node')} was dropped from this job at generation {self.generation}; "
+                             "hpct run does not take a node back yet"}
         if req.get("node") == self.node:
             why = f"two agents claim node rank {self.node} (at {o.hosts[self.node]} and another host)"
             self._refuse(why)

@@ -1,0 +1,59 @@
+"""`hpct run`'s options from the command line and the scheduler's environment (in process)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from hpct.errors import LaunchError
+from hpct.launch.options import RunOptions, configure_parser
+
+pytestmark = pytest.mark.unit
+
+
+def options(argv: list[str], env: dict | None = None) -> RunOptions:
+    p = argparse.ArgumentParser()
+    configure_parser(p)
+    return RunOptions.from_mapping(vars(p.parse_args(argv)), env or {})
+
+
+def test_torchruns_spellings_both_work(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    logs = ["--log-dir", str(tmp_path / "logs")]
+    a = options(["--nproc_per_node", "4", "--max_restarts", "2", "--standalone", *logs, str(script), "--lr", "1"])
+    b = options(["--nproc-per-node", "4", "--max-restarts", "2", "--standalone", *logs, str(script), "--lr", "1"])
+    assert a == b
+    assert a.nproc_per_node == 4 and a.max_restarts == 2 and a.world_size == 4
+    assert a.command == (str(script), "--lr", "1") and a.hosts == ("127.0.0.1",)
+
+
+def test_slurm_gives_hosts_node_rank_and_the_job_id(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    env = {"SLURM_JOB_NODELIST": "gpu[001-002,010]", "SLURM_NODEID": "2", "SLURM_NNODES": "3",
+           "SLURM_JOB_ID": "4242", "SLURM_NTASKS_PER_NODE": "1"}
+    o = options(["--nproc-per-node", "8", str(script)], env)
+    assert o.hosts == ("gpu001", "gpu002", "gpu010") and o.nnodes == 3 and o.node_rank == 2
+    assert o.run_id == "4242" and o.nproc_per_node == 8 and o.host_source == "SLURM_JOB_NODELIST"
+    with pytest.raises(LaunchError, match="3"):
+        options(["--nnodes", "2", str(script)], env)
+
+
+def test_pet_variables_are_defaults_as_for_torchrun(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    env = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "3", "PET_NODE_RANK": "1", "PET_MAX_RESTARTS": "4",
+           "HPCT_HOSTS": "10.0.0.1,10.0.0.2"}
+    o = options([str(script)], env)
+    assert (o.nnodes, o.nproc_per_node, o.node_rank, o.max_restarts) == (2, 3, 1, 4)
+    assert options(["--node-rank", "0", str(script)], env).node_rank == 0, "a flag beats PET_*"
+    with pytest.raises(LaunchError, match="PET_NODE_RANK='x' is not a whole number"):
+        options([str(script)], {**env, "PET_NODE_RANK": "x"})
+
+
+def test_module_and_program_commands(tmp_path):
+    assert options(["--standalone", "-m", "pkg.train", "--x"]).command == ("-m", "pkg.train", "--x")
+    o = options(["--standalone", "--no-python", "nvidia-smi", "-L"])
+    assert o.command == ("nvidia-smi", "-L") and not o.python_script
