@@ -52,8 +52,7 @@ class Agents:
             lines = self.json_path(node).read_text().splitlines()
         except FileNotFoundError:
             return []
-        docs = [json.loads(line) for line in lines if line.strip()]
-        return [d for d in docs if kind is None or d["event"] == kind]
+        return [d for d in parse_lines(lines) if kind is None or d["event"] == kind]
 
     def output(self, node: int) -> str:
         return self.err_path(node).read_text()
@@ -107,6 +106,17 @@ class Agents:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def parse_lines(lines: list[str]) -> list[dict]:
+    """JSON lines of a log another process is still writing: a torn last line is left for later."""
+    docs = []
+    for line in lines:
+        try:
+            docs.append(json.loads(line))
+        except ValueError:
+            break
+    return docs
 
 
 def records(out: Path) -> list[dict]:

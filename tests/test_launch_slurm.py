@@ -9,7 +9,6 @@ as on a real cluster.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from launch_cluster import records
+from launch_cluster import parse_lines, records
 from netns import unavailable_reason
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
@@ -38,7 +37,7 @@ def _cluster(state: Path, *args: str, timeout: float = 120) -> subprocess.Comple
 
 def _events(out: Path, node: int) -> list[dict]:
     path = out / f"events-{node}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return parse_lines(path.read_text().splitlines()) if path.exists() else []
 
 
 def test_sbatch_job_survives_a_killed_worker(tmp_path):

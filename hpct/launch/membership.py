@@ -1,0 +1,230 @@
+"""How the agents of one job agree: hello at start, a view (generation, active nodes) moved only
+forward, pushed at once and carried by every heartbeat, a node dropped when silent or leaving,
+and the majority rule.  ``NodeAgent`` (agent.py) is the one subclass; it owns the workers.
+
+A newer generation wins; an equal generation with other nodes takes the nodes both hold, one
+generation on.  A side keeps training only while it holds a strict majority of the last view's
+nodes, so a network split never leaves two worlds training.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from ..errors import LaunchError
+from . import wire
+
+HEARTBEAT_S = 0.5             # agents ask each other this often
+ASK_TIMEOUT_S = 2.0
+SETTLE_S = 1.0                # a peer's leave waits this long: if this agent is signalled too, it is a cancel
+
+
+class JobEnd(Exception):
+    """The job ends on this node with ``code`` (the message says why; LaunchError's when set)."""
+
+    def __init__(self, code: int, message: str, error: bool = True, fix: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.error, self.fix = code, message, error, fix
+
+
+SAME_JOB_FIX = ("start every agent of a job with the same --rdzv-id, --nnodes, --nproc-per-node and host list, "
+                "and each with its own --node-rank")
+
+
+
+class Membership:
+    """The agreeing half of a node agent; the subclass sets the fields ``__init__`` of NodeAgent
+    lists and implements ``_view_moved`` (stop replacements made stale by a newer generation)."""
+
+    def _view_moved(self, generation: int) -> None:
+        raise NotImplementedError
+
+    def handle(self, req: dict) -> dict:
+        op = req.get("op")
+        if op == "hello":
+            return self._hello(req)
+        if op == "ping":
+            self._merge(req.get("generation", -1), req.get("nodes", []), req.get("node"))
+            return self._view()
+        if op == "leave":
+            with self.cond:
+                n = req.get("node")
+                if req.get("reason") == "done":
+                    self.finished.add(n)
+                elif req.get("reason") == "end" and self.end is None:
+                    self.end = JobEnd(int(req.get("code", 1)), f"the job ended on node {n}: {req.get('why')}")
+                else:
+                    self.leaving.setdefault(n, time.monotonic())
+                self.cond.notify_all()
+            return {"ok": True}
+        if op == "joined":
+            with self.cond:
+                for w in self.workers.values():
+                    if w.proc.pid == req.get("pid") or (w.place == req.get("place")
+                                                        and w.generation == req.get("generation")):
+                        w.joined = True
+            return {"ok": True}
+        if op == "world":
+            return self._answer_world(int(req.get("place", -1)), int(req.get("formed", -1)))
+        return {"error": f"unknown request {op!r}"}
+
+    def _view(self) -> dict:
+        with self.cond:
+            return {"generation": self.generation, "nodes": list(self.nodes), "node": self.node}
+
+    def _hello(self, req: dict) -> dict:
+        o, mine = self.opts, {"run_id": self.opts.run_id, "nnodes": self.opts.nnodes,
+                              "nproc_per_node": self.opts.nproc_per_node, "hosts": list(self.opts.hosts)}
+        for key, value in mine.items():
+            if req.get(key) != value:
+                why = (f"the agent of node {req.get('node')} has {key} {req.get(key)!r}, the agent of node "
+                       f"{self.node} has {value!r}")
+                self._refuse(why)
+                return {"error": why}
+        with self.cond:
+            dropped = req.get("node") not in self.nodes
+        if dropped:
+            return {"error": f"node {req.get('node')} was dropped from this job at generation {self.generation}; "
+                             "hpct run does not take a node back yet"}
+        if req.get("node") == self.node:
+            why = f"two agents claim node rank {self.node} (at {o.hosts[self.node]} and another host)"
+            self._refuse(why)
+            return {"error": why}
+        self.seen[req.get("node")] = time.monotonic()
+        return {"ok": True, **self._view()}
+
+    def _refuse(self, why: str) -> None:
+        with self.cond:
+            if self.end is None:
+                self.end = JobEnd(LaunchError.exit_code, f"refused at start: {why}", fix=SAME_JOB_FIX)
+            self.cond.notify_all()
+
+    def _answer_world(self, place: int, formed: int) -> dict:
+        deadline = time.monotonic() + self.opts.node_grace + 2 * HEARTBEAT_S
+        with self.cond:
+            while self.generation <= formed and time.monotonic() < deadline and self.end is None:
+                self.cond.wait(timeout=0.05)
+        if self.generation <= formed:
+            self._probe()
+        with self.cond:
+            if self.generation <= formed:       # nobody was lost: the same members, re-formed
+                self._move(formed + 1, self.nodes, "re-form asked by a worker")
+            plan, gen = self._world()
+        if place not in plan:
+            return {"error": f"place {place} is not in the world of generation {gen}"}
+        return {"generation": gen, "world_size": len(plan), "rank": plan.index(place), "plan_ranks": plan}
+
+    def _probe(self) -> None:
+        """Ask every peer now; the ones that do not answer are lost (a worker is waiting)."""
+        silent = []
+        for n in self._peers():
+            try:
+                wire.ask(self.addrs[n], self.port, {"op": "ping", **self._view()}, ASK_TIMEOUT_S)
+            except wire.WireError:
+                silent.append(n)
+        if silent:
+            self._drop(silent, [])
+
+    def _drop(self, silent: list[int], left: list[int]) -> None:
+        with self.cond:
+            silent = [n for n in silent if n in self.nodes]
+            left = [n for n in left if n in self.nodes and n not in silent]
+            if not (silent or left) or self.signalled is not None or self.end is not None:
+                return
+            why = "; ".join([f"node {n} silent for {self.opts.node_grace:g} s" for n in silent] +
+                            [f"node {n} left" for n in left])
+            self.events.emit("node-lost", why, nodes=silent + left)
+            self._move(self.generation + 1, [n for n in self.nodes if n not in silent + left], why)
+
+    # -- the view ------------------------------------------------------------------------------
+    def _move(self, generation: int, nodes: list[int], why: str) -> None:
+        """Caller holds the lock.  Take a newer view and push it to every peer."""
+        before = len(self.nodes)
+        self.generation, self.nodes = generation, sorted(nodes)
+        if len(self.nodes) * 2 <= before and len(self.nodes) < before:
+            self.end = JobEnd(LaunchError.exit_code,
+                              f"{len(self.nodes)} of the last view's {before} nodes remain here, no majority: "
+                              "stopping, so that a split network never trains two worlds",
+                              fix="the side holding the majority goes on; check this node's network, then "
+                                  "start a new job (or add capacity to the running one with hd.grow)")
+        self.events.emit("view", f"generation {generation}, nodes {self.nodes} ({why})",
+                         generation=generation, nodes=self.nodes, why=why)
+        self.cond.notify_all()
+        view = {"op": "ping", "generation": generation, "nodes": self.nodes, "node": self.node}
+        threading.Thread(target=self._push, args=(view,), daemon=True).start()
+        self._view_moved(generation)
+
+    def _push(self, view: dict) -> None:
+        for n in self._peers():
+            try:
+                wire.ask(self.addrs[n], self.port, view, ASK_TIMEOUT_S)
+            except wire.WireError:
+                pass             # the heartbeat carries it later, or finds the node lost
+
+    def _peers(self) -> list[int]:
+        with self.cond:
+            return [n for n in self.nodes if n != self.node and n not in self.finished]
+
+    def _merge(self, generation: int, nodes: list[int], sender) -> None:
+        with self.cond:
+            if sender is not None:
+                self.seen[sender] = time.monotonic()
+            if generation > self.generation:
+                kept = [n for n in sorted(nodes) if n in self.nodes]
+                self._move(generation if kept == sorted(nodes) else generation + 1, kept, "a peer's view")
+            elif generation == self.generation and sorted(nodes) != self.nodes:
+                self._move(generation + 1, [n for n in self.nodes if n in nodes], "views differed")
+
+    def _greet(self) -> None:
+        """Every peer must answer a hello (same job, nodes, workers, hosts) before workers start."""
+        o, deadline = self.opts, time.monotonic() + self.cfg.connect_timeout
+        hello = {"op": "hello", "node": self.node, "run_id": o.run_id, "nnodes": o.nnodes,
+                 "nproc_per_node": o.nproc_per_node, "hosts": list(o.hosts)}
+        waiting = set(self._peers())
+        while waiting:
+            for n in sorted(waiting):
+                try:
+                    reply = wire.ask(self.addrs[n], self.port, hello, ASK_TIMEOUT_S)
+                except wire.WireError:
+                    continue
+                if "error" in reply:
+                    raise JobEnd(LaunchError.exit_code, f"refused at start: {reply['error']}", fix=SAME_JOB_FIX)
+                waiting.discard(n)
+            if self.end is not None:
+                raise self.end
+            if self.signalled is not None:
+                raise JobEnd(128 + self.signalled, f"stopped by signal {self.signalled} before start", False)
+            if waiting and time.monotonic() > deadline:
+                raise JobEnd(LaunchError.exit_code,
+                             f"the agents of nodes {sorted(waiting)} did not answer within "
+                             f"{self.cfg.connect_timeout:g} s (HPCT_CONNECT_TIMEOUT) at "
+                             f"{', '.join(f'{self.addrs[n]}:{self.port}' for n in sorted(waiting))}",
+                             fix="start hpct run on every node of the host list, or check that each node "
+                                 "reaches the others at HPCT_AGENT_PORT")
+            time.sleep(0.05 if waiting else 0)
+        self.events.emit("membership", f"all {o.nnodes} agents answered", nodes=self.nodes)
+
+    def _heartbeat(self) -> None:
+        while self.end is None:
+            view = {"op": "ping", **self._view()}
+            for n in self._peers():
+                try:
+                    reply = wire.ask(self.addrs[n], self.port, view, ASK_TIMEOUT_S)
+                    self._merge(reply["generation"], reply["nodes"], n)
+                except (wire.WireError, KeyError):
+                    pass
+            now = time.monotonic()
+            with self.cond:
+                silent = [n for n in self.nodes if n != self.node and n not in self.finished
+                          and n not in self.leaving and now - self.seen.get(n, now) > self.opts.node_grace]
+                left = [n for n, t in self.leaving.items() if now - t > SETTLE_S]
+            self._drop(silent, left)
+            time.sleep(HEARTBEAT_S)
+
+    def _tell_peers(self, message: dict) -> None:
+        for n in self._peers():
+            try:
+                wire.ask(self.addrs[n], self.port, message, ASK_TIMEOUT_S)
+            except wire.WireError:
+                pass
