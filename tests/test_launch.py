@@ -7,9 +7,7 @@ agent's decisions; tests/test_launch_recovery.py proves the recovery with real t
 from __future__ import annotations
 
 import json
-import os
 import signal
-import sys
 import time
 from pathlib import Path
 
