@@ -60,10 +60,11 @@ fi
 tier_pip install -q --no-deps --force-reinstall "$wheel"
 echo "ci/torch_tier.sh: $("$venv/bin/python" -P -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "NCCL", ".".join(map(str, torch.cuda.nccl.version())))') with $(basename "$wheel")"
 # The backend against ProcessGroupGloo, a SIGKILLed rank's in-process recovery, shrink/grow, the
-# doctor, the NCCL engine's simulation tier, the reconfigure API with PyTorch's own
-# fault-tolerance suite, the drop-in NCCL: what a user of this torch runs (the full suite runs
+# doctor, `hpct run` replacing a killed worker from a warm standby, the NCCL engine's simulation
+# tier, the reconfigure API with PyTorch's own fault-tolerance suite, the drop-in NCCL: what a user of this torch runs (the full suite runs
 # on the CPU pin; this tier keeps CI within its time).
 timeout --signal=INT --kill-after=30 20m "$venv/bin/python" -P -m pytest -q -p no:cacheprovider \
   tests/test_backend.py tests/test_recovery.py::test_ddp_survives_a_sigkilled_rank_bit_identical \
   tests/test_elastic.py tests/test_doctor.py tests/test_nccl_sim.py tests/test_reconfigure.py \
-  tests/test_fault_tolerance.py tests/test_torch_nccl.py "$@"
+  tests/test_fault_tolerance.py tests/test_torch_nccl.py \
+  "tests/test_launch_recovery.py::test_a_killed_worker_is_replaced_and_nobody_else_restarts[1]" "$@"

@@ -1,0 +1,401 @@
+#!/usr/bin/env python3
+"""Worker loss under a launcher: SIGKILL of one worker -> the first step completed by every rank after it.
+
+examples/ddp.py (``--step-time`` seconds of simulated compute per step) runs under three
+launchers, in the same invocation, and the last rank is SIGKILLed once it has completed
+``--kill-step`` steps (it writes ``OUT/progress-<rank>`` after each step):
+
+* ``hpct run``: the node's agent starts a replacement (a cold Python: it imports torch), the
+  survivors recover in-process at the next generation and nobody else restarts;
+* ``hpct run --standby 1``: the same, the replacement is a warm standby (torch imported);
+* ``torchrun --max-restarts 1`` (``python -m torch.distributed.run``) on stock Gloo: every worker
+  is stopped and started again, and the script (no checkpoint) starts again at step 0.
+
+Reported per run, from the records examples/ddp.py writes (``--out``; one ``time.time()``
+clock, the kill time taken right before ``os.kill``):
+
+* recovery: for each rank the first step completed after the kill, the max over ranks, minus
+  the kill time;
+* steps lost: steps that had completed before the kill and were done again (max over ranks;
+  0 for an in-place recovery, about ``--kill-step`` for torchrun's restart);
+* restarted: the ranks whose finishing process is not the one that ran before the kill.
+
+Configurations are NODESxWORKERS: 1xW on loopback, NxW (N > 1) in N network namespaces on one
+bridge (subnet 10.237.0; root), torchrun then with a c10d rendezvous hosted by node 0.
+
+    python benchmarks/launch.py [--config 1x4,2x2] [--kill-step 20] [--repeat 1] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import shutil
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "ddp.py"
+SUBNET = "10.237.0"
+TAG_VAR = "BENCH_LAUNCH_TAG"        # marks every process a run starts (killed by it in finally)
+LAUNCHERS = {
+    "hpct": "hpct run",
+    "hpct-standby": "hpct run --standby 1",
+    "torchrun": "torchrun --max-restarts 1",
+}
+GOAL = "with a standby, worker loss -> next step >= 10x faster than torchrun's restart and under 1 s"
+
+
+# ---- processes -------------------------------------------------------------------------------
+
+def _ppid_map() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue
+        kids.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(name))
+    return kids
+
+
+def _descendants(roots: list[int]) -> list[int]:
+    kids, found, todo = _ppid_map(), [], list(roots)
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def _kill_tagged(tag: str) -> None:
+    """SIGKILL every process carrying this run's tag (agents, standbys, workers, torchrun's)."""
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != os.getpid() and _environ(int(name)).get(TAG_VAR) == tag:
+            try:
+                os.kill(int(name), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _progress(out: Path, rank: int) -> int:
+    try:
+        return int((out / f"progress-{rank}").read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def _wait_progress(out: Path, rank: int, step: int, deadline: float, alive, what: str) -> None:
+    while _progress(out, rank) < step:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: rank {rank} did not complete {step} steps in time")
+        if not alive():
+            raise RuntimeError(f"{what}: a launcher exited before rank {rank} completed {step} steps")
+        time.sleep(0.005)
+
+
+def _kill(out: Path, world: int, pid: int) -> tuple[float, dict[int, int]]:
+    """SIGKILL; returns the kill time (time.time(), taken right before os.kill) and every rank's
+    completed steps read just before."""
+    before = {r: _progress(out, r) for r in range(world)}
+    t_kill = time.time()
+    os.kill(pid, signal.SIGKILL)
+    return t_kill, before
+
+
+# ---- analysis --------------------------------------------------------------------------------
+
+def analyse(out: Path, world: int, t_kill: float, before: dict[int, int], pids: dict[int, int]) -> dict:
+    recs = [json.loads(f.read_text()) for f in sorted(out.glob("rank*-pid*.json"))]
+    by_rank: dict[int, list[dict]] = {}
+    for r in recs:
+        by_rank.setdefault(r["rank"], []).append(r)
+    if sorted(by_rank) != list(range(world)):
+        raise RuntimeError(f"records of ranks {sorted(by_rank)}, expected 0..{world - 1}")
+    first_after, lost, restarted = {}, {}, []
+    for rank, rs in sorted(by_rank.items()):
+        steps = [(s, t) for r in rs for s, t in r["steps"]]
+        after = sorted((t, s) for s, t in steps if t > t_kill)
+        if not after:
+            raise RuntimeError(f"rank {rank} completed no step after the kill")
+        done_before = max([before.get(rank, 0)] + [s + 1 for s, t in steps if t <= t_kill])
+        first_after[rank] = after[0]
+        lost[rank] = max(0, done_before - after[0][1])
+        if any(r["pid"] != pids[rank] for r in rs):
+            restarted.append(rank)
+    return {"recovery_s": round(max(t for t, _ in first_after.values()) - t_kill, 4),
+            "steps_lost": max(lost.values()),
+            "restarted": restarted,
+            "first_step_after": {str(r): s for r, (_, s) in first_after.items()},
+            "done_before": {str(r): n for r, n in before.items()}}
+
+
+# ---- one run ---------------------------------------------------------------------------------
+
+def run_hpct(tmp: Path, nodes: int, nproc: int, standby: int, args, ns, tag: str) -> dict:
+    from launch_cluster import Agents
+    from hpct.ports import free_port_block
+    world, victim = nodes * nproc, nodes * nproc - 1
+    out = tmp / "out"
+    out.mkdir()
+    script = [str(EXAMPLE), "--steps", str(args.steps), "--step-time", str(args.step_time), "--out", str(out)]
+    flags = ["--nnodes", str(nodes), "--nproc-per-node", str(nproc), "--standby", str(standby), "--rdzv-id", "bench"]
+    if ns:
+        flags += ["--hosts", ",".join(n.address for n in ns)]
+    else:
+        flags += ["--port-base", str(free_port_block(2 * 8 * nproc + 2))]
+    env = {"OMP_NUM_THREADS": "1", TAG_VAR: tag, "HPCT_CONNECT_TIMEOUT": str(int(args.timeout))}
+    deadline = time.monotonic() + args.timeout
+    what = f"hpct{' --standby ' + str(standby) if standby else ''} {nodes}x{nproc}"
+    with Agents(tmp, [*flags, *script], nodes=nodes, namespaces=ns, env=env) as agents:
+        try:
+            agents.start()
+            alive = lambda: all(p.poll() is None for p in agents.procs)   # noqa: E731
+            if standby:
+                for n in range(nodes):
+                    agents.wait_event(n, "standby", max(1.0, deadline - time.monotonic()))
+            _wait_progress(out, victim, args.kill_step, deadline, alive, what)
+            pids = {r: agents.worker_pid(r // nproc, r) for r in range(world)}
+            t_kill, before = _kill(out, world, pids[victim])
+            codes = agents.wait(max(1.0, deadline - time.monotonic()))
+            if codes != [0] * nodes:
+                raise RuntimeError(f"{what}: agents exited {codes}")
+        except (TimeoutError, RuntimeError, OSError) as err:
+            tails = "\n".join(agents.output(n)[-1500:] for n in range(nodes) if agents.err_path(n).exists())
+            raise RuntimeError(f"{err}\n{tails}") from None
+    res = analyse(out, world, t_kill, before, pids)
+    replacements = [e for n in range(nodes) for e in agents.events(n, "start") if e["generation"] > 0]
+    res["warm"] = [bool(e.get("warm")) for e in replacements]
+    return res
+
+
+def run_torchrun(tmp: Path, nodes: int, nproc: int, args, ns, tag: str) -> dict:
+    world, victim = nodes * nproc, nodes * nproc - 1
+    out = tmp / "out"
+    out.mkdir()
+    script = [str(EXAMPLE), "--steps", str(args.steps), "--step-time", str(args.step_time),
+              "--backend", "gloo", "--out", str(out)]
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torch's own opt-out of the agent-shared store, whose
+    # keys outlive a restart (the restarted workers read the dead ones' Gloo addresses and fail;
+    # pytorch/pytorch#135712, still so in torch 2.13 with --max-restarts).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", TAG_VAR: tag, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           "GLOO_SOCKET_IFNAME": "eth0" if ns else "lo"}
+    procs, logs = [], []
+    what = f"torchrun {nodes}x{nproc}"
+    deadline = time.monotonic() + args.timeout
+    try:
+        for n in range(nodes):
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                    "--max-restarts", "1"]
+            if ns:
+                port = 29400 + (args.run_index % 500)
+                argv += ["--nnodes", str(nodes), "--node-rank", str(n), "--rdzv-backend", "c10d",
+                         "--rdzv-endpoint", f"{ns[0].address}:{port}", "--rdzv-id", f"bench{args.run_index}",
+                         "--rdzv-conf", f"is_host={int(n == 0)}"]
+            else:
+                argv += ["--standalone"]
+            log = tmp / f"torchrun-{n}.log"
+            logs.append(log)
+            with open(log, "w") as f:
+                kw = dict(env=env, stdout=f, stderr=subprocess.STDOUT, cwd=str(tmp), start_new_session=True)
+                procs.append(ns[n].popen([*argv, *script], **kw) if ns else
+                             subprocess.Popen([*argv, *script], **kw))
+        alive = lambda: all(p.poll() is None for p in procs)   # noqa: E731
+        _wait_progress(out, victim, args.kill_step, deadline, alive, what)
+        pids: dict[int, int] = {}
+        for pid in _descendants([p.pid for p in procs]):
+            e = _environ(pid)
+            if e.get(TAG_VAR) == tag and e.get("TORCHELASTIC_RESTART_COUNT") == "0" and "RANK" in e:
+                pids[int(e["RANK"])] = pid
+        if sorted(pids) != list(range(world)):
+            raise RuntimeError(f"{what}: found workers of ranks {sorted(pids)} only")
+        t_kill, before = _kill(out, world, pids[victim])
+        for n, p in enumerate(procs):
+            try:
+                code = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"{what}: torchrun {n} still running at the deadline") from None
+            if code != 0:
+                raise RuntimeError(f"{what}: torchrun {n} exited {code}")
+    except (TimeoutError, RuntimeError, OSError) as err:
+        tails = "\n".join(log.read_text()[-1500:] for log in logs if log.exists())
+        raise RuntimeError(f"{err}\n{tails}") from None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+    return analyse(out, world, t_kill, before, pids)
+
+
+def run_once(launcher: str, nodes: int, nproc: int, args, ns) -> dict:
+    tag = uuid.uuid4().hex
+    tmp = Path(tempfile.mkdtemp(prefix=f"hpct-bench-launch-{launcher}-"))
+    args.run_index += 1
+    t0 = time.monotonic()
+    run = {"launcher": launcher, "config": f"{nodes}x{nproc}", "error": None}
+    try:
+        if launcher == "torchrun":
+            run.update(run_torchrun(tmp, nodes, nproc, args, ns, tag))
+        else:
+            run.update(run_hpct(tmp, nodes, nproc, int(launcher == "hpct-standby"), args, ns, tag))
+    except (TimeoutError, RuntimeError, OSError, KeyError, ValueError) as err:
+        run["error"] = str(err).strip()
+    finally:
+        _kill_tagged(tag)
+        if run["error"] is None and not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            run["folder"] = str(tmp)
+            if run["error"]:
+                run["error"] += f"\n(logs kept in {tmp})"
+    run["wall_s"] = round(time.monotonic() - t0, 1)
+    shown = {k: run.get(k) for k in ("launcher", "config", "recovery_s", "steps_lost", "restarted", "wall_s",
+                                     "folder") if k in run}
+    print(f"  {shown}" + (f"\n  error: {run['error']}" if run["error"] else ""), file=sys.stderr, flush=True)
+    return run
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+def summarise(runs: list[dict]) -> dict:
+    ok = [r for r in runs if r["error"] is None]
+    if not ok:
+        return {"recovery_s": None, "steps_lost": None, "restarted": None, "completed": 0}
+    return {"recovery_s": round(statistics.median(r["recovery_s"] for r in ok), 4),
+            "steps_lost": statistics.median(r["steps_lost"] for r in ok),
+            "restarted": max(len(r["restarted"]) for r in ok), "completed": len(ok)}
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    fmt = lambda cells: "| " + " | ".join(c.ljust(w) if i < 2 else c.rjust(w)   # noqa: E731
+                                          for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+    return "\n".join([fmt(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, rows)])
+
+
+def render(configs: list[dict], args) -> str:
+    rows, goals = [], []
+    num = lambda v, f: "-" if v is None else format(v, f)   # noqa: E731
+    for c in configs:
+        stock = c["median"].get("torchrun", {}).get("recovery_s")
+        for launcher, s in c["median"].items():
+            ratio = c["ratio"].get(launcher)
+            rows.append([c["config"], LAUNCHERS[launcher], num(s["recovery_s"], ".3f"),
+                         num(s["steps_lost"], "g"), num(s["restarted"], "d"),
+                         "-" if ratio is None else f"{ratio:.1f}x", f"{s['completed']}/{args.repeat}"])
+        warm = c["median"].get("hpct-standby", {}).get("recovery_s")
+        if warm is None or stock is None:
+            goals.append(f"  {c['config']}: not measured (needs hpct-standby and torchrun runs that completed)")
+        else:
+            met = stock / warm >= 10 and warm < 1.0
+            goals.append(f"  {c['config']}: {warm:.3f} s, {stock / warm:.1f}x faster than torchrun's restart "
+                         f"({stock:.3f} s): {'met' if met else 'NOT met'}")
+    title = (f"Worker loss: SIGKILL of the last rank after step {args.kill_step} -> first step completed by "
+             f"every rank after it, max over ranks (examples/ddp.py, --steps {args.steps}, --step-time "
+             f"{args.step_time:g}; {os.cpu_count()} CPUs, torch {_torch_version()}, median of {args.repeat})")
+    head = ["config", "launcher", "recovery (s)", "steps lost", "ranks restarted", "torchrun/this", "runs ok"]
+    return "\n".join([title, "", table(head, rows), "", f"goal: {GOAL}", *goals])
+
+
+def _torch_version() -> str:
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+def _config(text: str) -> tuple[int, int]:
+    try:
+        nodes, nproc = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--config: {text!r} is not NODESxWORKERS such as 1x4 or 2x2") from None
+    if nodes < 1 or nproc < 1 or nodes * nproc < 2:
+        raise SystemExit(f"--config {text}: at least 2 workers in all")
+    return nodes, nproc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="1x4", help="comma list of NODESxWORKERS (N > 1: network namespaces)")
+    ap.add_argument("--launchers", default=",".join(LAUNCHERS), help=f"comma list of {', '.join(LAUNCHERS)}")
+    ap.add_argument("--kill-step", type=int, default=20, help="the last rank is killed after this many steps")
+    ap.add_argument("--steps", type=int, default=None, help="steps of the run (default: kill step + 10)")
+    ap.add_argument("--step-time", type=float, default=0.05, help="seconds of simulated compute per step")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per configuration and launcher (median)")
+    ap.add_argument("--timeout", type=float, default=180.0, help="seconds per run, start to end")
+    ap.add_argument("--keep", action="store_true", help="keep every run's folder (logs, records); failed runs' always")
+    ap.add_argument("--json", help="also write every run and the medians to this file")
+    args = ap.parse_args(argv)
+    args.steps = args.steps if args.steps is not None else args.kill_step + 10
+    args.run_index = 0
+    configs = [_config(c) for c in args.config.split(",") if c]
+    launchers = [x for x in args.launchers.split(",") if x]
+    if unknown := [x for x in launchers if x not in LAUNCHERS]:
+        raise SystemExit(f"--launchers: unknown {', '.join(unknown)} (known: {', '.join(LAUNCHERS)})")
+    if not 1 <= args.kill_step < args.steps:
+        raise SystemExit(f"--kill-step {args.kill_step} must be at least 1 and below --steps {args.steps}")
+    sys.path.insert(0, str(REPO / "tests"))      # the harness shared with tests/test_launch_recovery.py
+    started = time.monotonic()
+    results = []
+    for nodes, nproc in configs:
+        name = f"{nodes}x{nproc}"
+        runs: list[dict] = []
+        if nodes == 1:
+            for launcher in launchers:
+                runs += [run_once(launcher, nodes, nproc, args, None) for _ in range(args.repeat)]
+        else:
+            from netns import netns_network, unavailable_reason
+            why = unavailable_reason()
+            if why:
+                runs = [{"launcher": x, "config": name, "error": why} for x in launchers]
+                print(f"  {name}: {why}", file=sys.stderr)
+            else:
+                with netns_network(nodes, name_prefix="hpct-blaunch", subnet=SUBNET) as ns:
+                    for launcher in launchers:
+                        runs += [run_once(launcher, nodes, nproc, args, ns) for _ in range(args.repeat)]
+        median = {x: summarise([r for r in runs if r["launcher"] == x]) for x in launchers}
+        stock = median.get("torchrun", {}).get("recovery_s")
+        ratio = {x: (round(stock / s["recovery_s"], 2) if stock and s["recovery_s"] else None)
+                 for x, s in median.items()}
+        results.append({"config": name, "nodes": nodes, "workers_per_node": nproc, "runs": runs,
+                        "median": median, "ratio": ratio})
+    print(render(results, args))
+    print(f"total benchmark time {time.monotonic() - started:.1f} s")
+    if args.json:
+        doc = {"schema": 1, "benchmark": "launch", "goal": GOAL,
+               "machine": {"cpus": os.cpu_count(), "torch": _torch_version(), "date": time.strftime("%Y-%m-%d")},
+               "kill_step": args.kill_step, "steps": args.steps, "step_time": args.step_time,
+               "repeat": args.repeat, "configs": results}
+        tmp = Path(args.json + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        os.replace(tmp, args.json)
+    return 0 if all(r["error"] is None for c in results for r in c["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
