@@ -152,15 +152,8 @@ class Membership:
                          generation=generation, nodes=self.nodes, why=why)
         self.cond.notify_all()
         view = {"op": "ping", "generation": generation, "nodes": self.nodes, "node": self.node}
-        threading.Thread(target=self._push, args=(view,), daemon=True).start()
+        threading.Thread(target=self._tell_peers, args=(view,), daemon=True).start()
         self._view_moved(generation)
-
-    def _push(self, view: dict) -> None:
-        for n in self._peers():
-            try:
-                wire.ask(self.addrs[n], self.port, view, ASK_TIMEOUT_S)
-            except wire.WireError:
-                pass             # the heartbeat carries it later, or finds the node lost
 
     def _peers(self) -> list[int]:
         with self.cond:
@@ -227,4 +220,4 @@ class Membership:
             try:
                 wire.ask(self.addrs[n], self.port, message, ASK_TIMEOUT_S)
             except wire.WireError:
-                pass
+                pass             # a view: the heartbeat carries it later, or finds the node lost
