@@ -99,3 +99,20 @@ def test_profile_comm_benchmark_reports_overhead_and_accuracy():
     assert "summary: profiling overhead" in text and "comm/direct" in text, text
     for mode in ("plain", "off", "hook", "on", "disabled"):
         assert re.search(rf"^\s+{mode}\s+[0-9.]+ ", text, re.MULTILINE), (mode, text)
+
+
+@pytest.mark.slow
+def test_launch_replaces_one_worker_in_place_where_torchrun_restarts_all(tmp_path):
+    out = tmp_path / "launch.json"
+    text = _run("launch.py", "--config", "1x2", "--kill-step", "3", "--steps", "8",
+                "--launchers", "hpct-standby,torchrun", "--json", str(out))
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == 1 and doc["configs"][0]["config"] == "1x2"
+    runs = {r["launcher"]: r for r in doc["configs"][0]["runs"]}
+    hp, tr = runs["hpct-standby"], runs["torchrun"]
+    assert hp["error"] is None and tr["error"] is None, runs
+    assert hp["restarted"] == [1] and hp["warm"] == [True], hp      # only the killed rank, from the standby
+    assert hp["steps_lost"] <= 1 and hp["recovery_s"] > 0, hp       # survivors kept their steps
+    assert tr["restarted"] == [0, 1] and tr["steps_lost"] >= 3, tr  # everyone again from step 0
+    assert re.search(r"^\| 1x2 +\| torchrun --max-restarts 1 +\|", text, re.MULTILINE), text
+    assert "goal: with a standby, worker loss -> next step" in text, text

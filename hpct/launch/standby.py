@@ -18,9 +18,12 @@ import sys
 def _warm() -> None:
     # What every worker of a PyTorch job imports first; CUDA is not initialised (the
     # worker's CUDA_VISIBLE_DEVICES applies when it first touches the GPU).
-    import torch  # noqa: F401
+    import torch
     import torch.distributed  # noqa: F401
     import hpct.distributed  # noqa: F401
+    # torch's optimizers import torch._dynamo at their first construction: 2 s of a replacement's
+    # start on a 2-core machine (measured by benchmarks/launch.py) unless the standby pays it.
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 
 def become(order: dict) -> None:
