@@ -179,7 +179,7 @@ class NodeAgent(Membership):
         if self.end is None or self.end is end:
             reason = "signal" if self.signalled is not None else "end"
             self.end = end
-            if reason == "signal" or not end.message.startswith("the job ended on node"):
+            if reason == "signal" or not end.from_peer:
                 self._tell_peers({"op": "leave", "node": self.node, "reason": reason, "code": end.code,
                                   "why": end.message.splitlines()[0]})
         self.events.emit("end", end.message, code=end.code)

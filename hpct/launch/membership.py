@@ -23,9 +23,11 @@ SETTLE_S = 1.0                # a peer's leave waits this long: if this agent is
 class JobEnd(Exception):
     """The job ends on this node with ``code`` (the message says why; LaunchError's when set)."""
 
-    def __init__(self, code: int, message: str, error: bool = True, fix: str | None = None) -> None:
+    def __init__(self, code: int, message: str, error: bool = True, fix: str | None = None,
+                 from_peer: bool = False) -> None:
         super().__init__(message)
         self.code, self.message, self.error, self.fix = code, message, error, fix
+        self.from_peer = from_peer      # another agent ended the job: it has told the others
 
 
 SAME_JOB_FIX = ("start every agent of a job with the same --rdzv-id, --nnodes, --nproc-per-node and host list, "
@@ -53,7 +55,8 @@ class Membership:
                 if req.get("reason") == "done":
                     self.finished.add(n)
                 elif req.get("reason") == "end" and self.end is None:
-                    self.end = JobEnd(int(req.get("code", 1)), f"the job ended on node {n}: {req.get('why')}")
+                    self.end = JobEnd(int(req.get("code", 1)), f"the job ended on node {n}: {req.get('why')}",
+                                      from_peer=True)
                 else:
                     self.leaving.setdefault(n, time.monotonic())
                 self.cond.notify_all()
@@ -72,6 +75,10 @@ class Membership:
     def _view(self) -> dict:
         with self.cond:
             return {"generation": self.generation, "nodes": list(self.nodes), "node": self.node}
+
+    def _ping(self) -> dict:
+        """This agent's view, as it tells a peer (the answer is the peer's view)."""
+        return {"op": "ping", **self._view()}
 
     def _hello(self, req: dict) -> dict:
         o, mine = self.opts, {"run_id": self.opts.run_id, "nnodes": self.opts.nnodes,
@@ -120,7 +127,7 @@ class Membership:
         silent = []
         for n in self._peers():
             try:
-                wire.ask(self.addrs[n], self.port, {"op": "ping", **self._view()}, ASK_TIMEOUT_S)
+                wire.ask(self.addrs[n], self.port, self._ping(), ASK_TIMEOUT_S)
             except wire.WireError:
                 silent.append(n)
         if silent:
@@ -151,8 +158,7 @@ class Membership:
         self.events.emit("view", f"generation {generation}, nodes {self.nodes} ({why})",
                          generation=generation, nodes=self.nodes, why=why)
         self.cond.notify_all()
-        view = {"op": "ping", "generation": generation, "nodes": self.nodes, "node": self.node}
-        threading.Thread(target=self._tell_peers, args=(view,), daemon=True).start()
+        threading.Thread(target=self._tell_peers, args=(self._ping(),), daemon=True).start()
         self._view_moved(generation)
 
     def _peers(self) -> list[int]:
@@ -200,7 +206,7 @@ class Membership:
 
     def _heartbeat(self) -> None:
         while self.end is None:
-            view = {"op": "ping", **self._view()}
+            view = self._ping()
             for n in self._peers():
                 try:
                     reply = wire.ask(self.addrs[n], self.port, view, ASK_TIMEOUT_S)
