@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from hpct.launch import wire
+from hpct.ports import host_of
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
 arg = sys.argv[3] if len(sys.argv) > 3 else "0"
@@ -27,8 +28,7 @@ if mode == "fail":
     sys.exit(int(arg))
 if mode == "joined-fail":
     place = int(rank)
-    hosts = os.environ["HPCT_HOSTS"].split(",")
-    host = hosts[place // int(os.environ["N_PROC_PER_NODE"])]
+    host = host_of(os.environ["HPCT_HOSTS"].split(","), place, int(os.environ["N_PROC_PER_NODE"]))
     wire.ask(host, int(os.environ["HPCT_AGENT_PORT"]),
              {"op": "joined", "place": place, "generation": int(os.environ["HPCT_GENERATION"]),
               "pid": os.getpid()}, 5.0)

@@ -14,10 +14,11 @@ import os
 from ..config import Config
 from ..errors import RendezvousError
 from ..launch import wire
+from ..ports import host_of
 
 
 def _address(cfg: Config, place: int) -> tuple[str, int]:
-    return cfg.hosts[place // cfg.nproc_per_node], cfg.agent_port
+    return host_of(cfg.hosts, place, cfg.nproc_per_node), cfg.agent_port
 
 
 def new_world(cfg: Config, place: int, formed: int) -> dict:
