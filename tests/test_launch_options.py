@@ -57,3 +57,17 @@ def test_module_and_program_commands(tmp_path):
     assert options(["--standalone", "-m", "pkg.train", "--x"]).command == ("-m", "pkg.train", "--x")
     o = options(["--standalone", "--no-python", "nvidia-smi", "-L"])
     assert o.command == ("nvidia-smi", "-L") and not o.python_script
+
+
+def test_hpcts_own_host_variables_read_as_everywhere_else_in_hpct(tmp_path):
+    from hpct.errors import ConfigError
+    script = tmp_path / "train.py"
+    script.write_text("")
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the job's nodes\n10.0.0.1\n10.0.0.2  # node 1\n")
+    o = options(["--node-rank", "1", str(script)], {"HPCT_HOSTFILE": str(hostfile)})
+    assert o.hosts == ("10.0.0.1", "10.0.0.2") and o.nnodes == 2 and o.host_source.startswith("HPCT_HOSTFILE=")
+    with pytest.raises(ConfigError, match="both HPCT_HOSTS and HPCT_HOSTFILE are set"):
+        options(["--node-rank", "0", str(script)], {"HPCT_HOSTFILE": str(hostfile), "HPCT_HOSTS": "10.0.0.1"})
+    with pytest.raises(ConfigError, match="host 10.0.0.1 listed twice"):
+        options(["--node-rank", "0", str(script)], {"HPCT_HOSTS": "10.0.0.1,10.0.0.1"})

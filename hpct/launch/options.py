@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from ..config import Config
 from ..errors import LaunchError
 
 # Accepted for compatibility; the agents need none of them (no store, no root).
@@ -201,11 +202,13 @@ def _hosts(args: Mapping, env: Mapping[str, str], nnodes: int):
     found, rank, nproc = None, None, None
     if args.get("hosts"):
         found, source = tuple(sources.expand_hostlist(args["hosts"])), "--hosts"
-    elif args.get("hostfile") or env.get("HPCT_HOSTFILE"):
-        path = args.get("hostfile") or env["HPCT_HOSTFILE"]
-        found, source = tuple(sources.from_hostfile(path)), f"host file {path}"
-    elif env.get("HPCT_HOSTS"):
-        found, source = tuple(h.strip() for h in env["HPCT_HOSTS"].split(",") if h.strip()), "HPCT_HOSTS"
+    elif args.get("hostfile"):
+        found, source = tuple(sources.from_hostfile(args["hostfile"])), f"host file {args['hostfile']}"
+    elif env.get("HPCT_HOSTS") or env.get("HPCT_HOSTFILE"):
+        # hpct's own variables: read by Config, with the rules every other part of hpct applies.
+        names = ("HPCT_HOSTS", "HPCT_HOSTFILE")
+        found = Config.from_mapping({k: env[k] for k in names if env.get(k)}).hosts
+        source = next(f"{k}={env[k]}" for k in names if env.get(k))
     elif (slurm := sources.from_slurm(env)) is not None:
         found, source, rank, nproc = slurm.hosts, slurm.source, slurm.node_rank, slurm.nproc_per_node
     elif env.get("KUBERNETES_SERVICE_HOST") and \
