@@ -101,15 +101,9 @@ def _kill_tagged(tag: str) -> None:
                 pass
 
 
-def _progress(out: Path, rank: int) -> int:
-    try:
-        return int((out / f"progress-{rank}").read_text() or 0)
-    except (FileNotFoundError, ValueError):
-        return 0
-
-
 def _wait_progress(out: Path, rank: int, step: int, deadline: float, alive, what: str) -> None:
-    while _progress(out, rank) < step:
+    from launch_cluster import progress
+    while progress(out, rank) < step:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what}: rank {rank} did not complete {step} steps in time")
         if not alive():
@@ -120,7 +114,8 @@ def _wait_progress(out: Path, rank: int, step: int, deadline: float, alive, what
 def _kill(out: Path, world: int, pid: int) -> tuple[float, dict[int, int]]:
     """SIGKILL; returns the kill time (time.time(), taken right before os.kill) and every rank's
     completed steps read just before."""
-    before = {r: _progress(out, r) for r in range(world)}
+    from launch_cluster import progress
+    before = {r: progress(out, r) for r in range(world)}
     t_kill = time.time()
     os.kill(pid, signal.SIGKILL)
     return t_kill, before
@@ -129,7 +124,8 @@ def _kill(out: Path, world: int, pid: int) -> tuple[float, dict[int, int]]:
 # ---- analysis --------------------------------------------------------------------------------
 
 def analyse(out: Path, world: int, t_kill: float, before: dict[int, int], pids: dict[int, int]) -> dict:
-    recs = [json.loads(f.read_text()) for f in sorted(out.glob("rank*-pid*.json"))]
+    from launch_cluster import records
+    recs = records(out)
     by_rank: dict[int, list[dict]] = {}
     for r in recs:
         by_rank.setdefault(r["rank"], []).append(r)

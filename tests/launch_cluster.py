@@ -119,6 +119,14 @@ def parse_lines(lines: list[str]) -> list[dict]:
     return docs
 
 
+def progress(out: Path, rank: int) -> int:
+    """Steps ``rank`` has completed, as examples/ddp.py writes them (0 before the first, or torn)."""
+    try:
+        return int((out / f"progress-{rank}").read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
 def records(out: Path) -> list[dict]:
     """examples/ddp.py's per-process records."""
     return [json.loads(f.read_text()) for f in sorted(out.glob("rank*-pid*.json"))]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from hpct.ports import free_port_block
-from launch_cluster import Agents, records
+from launch_cluster import Agents, progress, records
 from netns import netns_network, unavailable_reason
 
 EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "ddp.py")
@@ -42,13 +42,6 @@ def stock_digest(tmp: Path, nproc: int) -> str:
     assert len(digests) == 1
     _STOCK[nproc] = digests.pop()
     return _STOCK[nproc]
-
-
-def progress(out: Path, rank: int) -> int:
-    try:
-        return int((out / f"progress-{rank}").read_text() or 0)
-    except (FileNotFoundError, ValueError):
-        return 0
 
 
 def wait_progress(agents: Agents, out: Path, rank: int, step: int, timeout: float = 120) -> None:

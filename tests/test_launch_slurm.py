@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from launch_cluster import parse_lines, records
+from launch_cluster import parse_lines, progress, records
 from netns import unavailable_reason
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
@@ -68,7 +68,7 @@ exit $?
                                   cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True)
         end = time.monotonic() + LIMIT_S
-        while not (out / "progress-3").exists() or int((out / "progress-3").read_text() or 0) < 10:
+        while progress(out, 3) < 10:
             assert time.monotonic() < end and sbatch.poll() is None, \
                 (sbatch.poll(), [p.read_text()[-2000:] for p in out.glob("slurm-*.out")])
             time.sleep(0.05)
