@@ -78,6 +78,10 @@ VARIABLES: tuple[Var, ...] = (
     Var(NCCL_LIBRARY_VAR, "nccl_library", "file", None,
         help="libnccl.so.2 with ncclCommInitRankRootless for CUDA tensors; default: the one torch loaded, "
              "when it is hpct's"),
+    Var("HPCT_NCCL_BLOCKING", "nccl_blocking", "bool", True,
+        help="1 (default): CUDA ops launch on a blocking NCCL communicator, formed on a helper thread "
+             "and bounded by the watchdog; 0: a non-blocking one (NCCL starts a thread per launch, "
+             "60-100 us more per small op)"),
     Var("HPCT_GENERATION", "generation", "int", 0, 0, (1 << 31) - 1,
         help="membership generation a process starts in (a replacement joins at the survivors' next one)"),
     Var("HPCT_AGENT_PORT", "agent_port", "int", None, 1024, MAX_PORT,
@@ -221,6 +225,7 @@ class Config:
     log_allreduce_from: int = DEFAULT_LOG_ALLREDUCE_FROM   # group size: small float sums in log depth
     generation: int = 0                    # bumped by each in-process recovery
     nccl_library: str | None = None        # the rootless libnccl for the CUDA half
+    nccl_blocking: bool = True             # CUDA ops on a blocking NCCL communicator
     agent_port: int | None = None          # hpct run's node agent (None: no agent)
     rank: int | None = None
     local_rank: int | None = None

@@ -21,7 +21,7 @@ from nccl_sim.runtime import SimRuntime
 
 class Ranks:
     def __init__(self, n: int, *, lib: SimNccl | None = None, connect_timeout: float = 10.0,
-                 op_timeout: float = 20.0, generation: int = 0):
+                 op_timeout: float = 20.0, generation: int = 0, blocking: bool = False):
         self.n = n
         self.lib = lib or SimNccl()
         self.runtime = SimRuntime()
@@ -30,7 +30,8 @@ class Ranks:
         self.engines = [NcclEngine(rank=r, size=n, global_ranks=list(range(n)), generation=generation,
                                    group_index=0, group_name="sim", listen_addr=addrs[r], addresses=addrs,
                                    job_key=0x5157, connect_timeout=connect_timeout, op_timeout=op_timeout,
-                                   retry_delay_ms=20, library=self.lib, runtime=self.runtime)
+                                   retry_delay_ms=20, library=self.lib, runtime=self.runtime,
+                                   blocking_comm=blocking)
                         for r in range(n)]
 
     def run(self, fn, timeout: float = 30.0, ranks=None) -> list:

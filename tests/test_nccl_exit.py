@@ -40,6 +40,7 @@ class NullRuntime:
     def follow(self, stream, dev): pass
     @contextlib.contextmanager
     def on(self, dev, stream): yield
+    def bind(self, dev, stream): pass
     def enqueue(self, dev, stream, fn): fn()
     def record(self, stream): return Event()
     def done(self, event): return True
@@ -67,7 +68,9 @@ eng = NcclEngine(rank=0, size=1, global_ranks=[0], generation=0, group_index=0, 
                  op_timeout=30, library=lib, load=lambda: lib, runtime=NullRuntime())
 t = torch.ones(1)
 for _ in range(int(sys.argv[1])):
-    eng.allreduce([t], dist.ReduceOp.SUM).wait()
+    w = eng.allreduce([t], dist.ReduceOp.SUM)
+    w.get_future()        # as DDP: the completer settles it (a plain collective's never reaches it)
+    w.wait()
 print("ops issued; exiting without shutdown", flush=True)
 '''
 

@@ -45,9 +45,9 @@ def strided(*shape, fill=0.0):
     return t
 
 
-@pytest.fixture
-def ranks3(no_breach):
-    r = Ranks(3)
+@pytest.fixture(params=[False, True], ids=["nonblocking", "blocking"])
+def ranks3(request, no_breach):
+    r = Ranks(3, blocking=request.param)
     yield r
     r.close()
 
@@ -197,17 +197,21 @@ def test_calls_on_one_comm_never_overlap(monkeypatch, no_breach):
 def launches_waiting(lib: SimNccl, n: int, seconds: float = 20.0) -> None:
     """Until ``n`` comms have a launch NCCL has not taken yet."""
     deadline = time.monotonic() + seconds
-    while len(lib.comms) < n or not all(c.job_polls is not None for c in lib.comms.values()):
+    while len(lib.comms) < n or not all(c.job_polls is not None or c.in_call == "ncclGroupEnd"
+                                        for c in lib.comms.values()):
         assert time.monotonic() < deadline, "the launches never started"
         time.sleep(0.01)
 
 
-def test_abort_is_ncclCommAbort_alone_and_ends_a_stuck_launch(no_breach):
+@pytest.mark.parametrize("blocking", [False, True], ids=["nonblocking", "blocking"])
+def test_abort_is_ncclCommAbort_alone_and_ends_a_stuck_launch(no_breach, blocking):
     """Defects 3 and 5: abort during a launch that NCCL never takes returns at once from
     another thread (no engine lock held across the wait), calls ncclCommAbort and no revoke
-    (revoke then abort walks the group job revoke freed), and the launch fails."""
+    (revoke then abort walks the group job revoke freed), and the launch fails.  On a blocking
+    comm the launch holds the comm's lock inside NCCL: abort waits ABORT_LOCK_S for it, then
+    aborts without it (what NCCL's abort flag is for)."""
     lib = SimNccl(stuck_launch=True)
-    ranks = Ranks(2, lib=lib, op_timeout=120.0)
+    ranks = Ranks(2, lib=lib, op_timeout=120.0, blocking=blocking)
     works = {}
     runner = threading.Thread(target=lambda: works.update(enumerate(ranks.run(
         lambda r, e: e.allreduce([torch.ones(1)]), timeout=60))), daemon=True)
@@ -219,7 +223,7 @@ def test_abort_is_ncclCommAbort_alone_and_ends_a_stuck_launch(no_breach):
     took = time.monotonic() - t0
     runner.join(10)
     assert not runner.is_alive(), "the launching threads did not return after the abort"
-    assert took < 3.0, took
+    assert took < 3.0 + (2 * nccl_comm.ABORT_LOCK_S if blocking else 0), took
     for r, e in enumerate(ranks.engines):
         assert isinstance(e.failure, NcclAbortedError)
         with pytest.raises(NcclAbortedError):
@@ -350,6 +354,67 @@ def test_kept_tensors_outlive_the_abort_that_ends_their_kernel(no_breach):
     assert [refs[r]() for r in range(2)] == [None, None], "kept after the kernel ended"
 
 
+def test_a_dropped_failed_op_keeps_its_tensors_until_its_kernel_ends_after_the_abort(no_breach):
+    """Defect 13 with futures made on demand: nobody asked this op for a future and the caller
+    dropped its Work, so only the completer holds it -- until the kernel, which the abort ends
+    a little later (``linger_s``), has ended.  Freed at the abort, the buffer could be handed to
+    another tensor while the kernel still writes it."""
+    lib = SimNccl(hang_op=True, linger_s=1.0)
+    ranks = Ranks(2, lib=lib)
+    refs = {}
+
+    def body(r, e):
+        w = e.reduce_scatter(torch.empty(2), [torch.ones(2), torch.ones(2)], R.SUM)
+        refs[r] = weakref.ref(next(t for t in w._keep if t.shape == (2, 2)))
+        assert w._raw is None
+        del w
+        return True
+    assert ranks.run(body) == [True, True]
+    for e in ranks.engines:
+        e.abort("the test aborts it")
+    gc.collect()
+    assert [refs[r]() is not None for r in range(2)] == [True, True], "freed while its kernel still ran"
+    end = time.monotonic() + 10
+    while any(refs[r]() is not None for r in range(2)) and time.monotonic() < end:
+        time.sleep(0.02)
+        gc.collect()
+    assert [refs[r]() for r in range(2)] == [None, None], "kept after the kernel ended"
+    ranks.close()
+
+
+def test_a_plain_collective_never_reaches_the_completer_and_its_buffers_go_after_its_kernel(ranks3):
+    """A collective whose future nobody asks for costs no future and no completer step (that
+    was ~40 us of host time per small op on an H200 host); the watchdog's look drops its
+    staging buffer once its event has completed."""
+    def body(r, e):
+        out = strided(2, 2, fill=r + 1.0)          # non-contiguous: staged through a buffer only the op holds
+        w = e.allreduce([out])
+        staging = weakref.ref(next(t for t in w._keep if t is not out))
+        w.wait()
+        assert w._raw is None and not w._queued
+        del w
+        end = time.monotonic() + 5
+        while staging() is not None and time.monotonic() < end:
+            time.sleep(0.02)
+            gc.collect()
+        return staging() is None, out.tolist()
+    assert ranks3.run(body) == [(True, [[6.0, 6.0], [6.0, 6.0]])] * 3
+
+
+def test_a_future_asked_for_before_or_after_its_kernel_ended_completes_with_the_result(ranks3):
+    def body(r, e):
+        a = torch.full((2,), r + 1.0)
+        early = e.allreduce([a]).get_future()      # the completer settles it when the kernel ends
+        late_work = e.allreduce([torch.ones(2)])
+        end = time.monotonic() + 5
+        while not late_work.is_completed() and time.monotonic() < end:
+            time.sleep(0.005)
+        late = late_work.get_future()              # the kernel has ended: settled at once
+        assert late.done()
+        return wait_done(early).value()[0].tolist(), late.value()[0].tolist()
+    assert ranks3.run(body) == [([6.0, 6.0], [3.0, 3.0])] * 3
+
+
 def test_ops_launched_into_a_graph_capture_are_never_polled(no_breach):
     """Defect 13: querying or waiting for an event of a capture breaks the capture: captured
     work is completed at launch (as ProcessGroupNCCL does) and the watchdog and the completer
@@ -368,14 +433,77 @@ def test_ops_launched_into_a_graph_capture_are_never_polled(no_breach):
     ranks.close()
 
 
-def test_forming_a_comm_may_take_the_op_timeout_after_the_connect_deadline(no_breach):
+@pytest.mark.parametrize("blocking", [False, True], ids=["nonblocking", "blocking"])
+def test_forming_a_comm_may_take_the_op_timeout_after_the_connect_deadline(no_breach, blocking):
     """Defect 13: the connect deadline bounds the rootless ring; transport set-up after it
     (long at scale) is bounded by the op timeout, not by one more second."""
-    ranks = Ranks(2, lib=SimNccl(init_delay=1.6), connect_timeout=0.4, op_timeout=10.0)
+    ranks = Ranks(2, lib=SimNccl(init_delay=1.6), connect_timeout=0.4, op_timeout=10.0, blocking=blocking)
 
     def body(r, e):
         t = torch.ones(2)
         e.allreduce([t]).wait()
         return t.tolist()
     assert ranks.run(body) == [[2.0, 2.0]] * 2
+    ranks.close()
+
+
+# ---------------------------------------------------------------- a blocking communicator
+def test_a_blocking_launch_that_nccl_holds_is_ended_by_the_watchdog_at_the_op_timeout(no_breach):
+    """A blocking ncclGroupEnd that NCCL holds (a lazy connect to a peer that never answers) is
+    not settled by anyone's poll: the watchdog sees the launch older than the op timeout, fails
+    the group with the reason and aborts the comm, which ends the call."""
+    lib = SimNccl(stuck_launch=True)
+    ranks = Ranks(2, lib=lib, op_timeout=1.0, blocking=True)
+
+    def body(r, e):
+        t0 = time.monotonic()
+        w = e.allreduce([torch.ones(1)])
+        with pytest.raises(NcclGroupError) as info:
+            w.wait()
+        return time.monotonic() - t0, str(info.value), type(e.failure).__name__
+    out = ranks.run(body, timeout=30)
+    for took, text, failure in out:
+        assert failure == "NcclOpTimeoutError", out
+        assert "NCCL did not take the launch within the op timeout (1 s)" in text, text
+        assert took < 1.0 + nccl_comm.ABORT_LOCK_S + 2.0, took
+    for r in range(2):
+        calls = [c for _, c in ranks.comm(r).calls]
+        assert "ncclCommAbort" in calls and "ncclCommRevoke" not in calls, calls
+    ranks.close()
+
+
+def test_a_blocking_init_past_its_deadline_is_given_up_and_its_comm_aborted_when_it_comes(no_breach):
+    """The blocking init runs on a helper thread: the caller stops waiting at the connect
+    deadline plus the op timeout with the reason, and the comm NCCL hands over later is
+    aborted by the helper (never leaked, never used)."""
+    lib = SimNccl(init_delay=2.5)
+    ranks = Ranks(2, lib=lib, connect_timeout=0.5, op_timeout=0.5, blocking=True)
+
+    def body(r, e):
+        t0 = time.monotonic()
+        with pytest.raises(NcclGroupError) as info:
+            e.allreduce([torch.ones(1)]).wait()
+        return time.monotonic() - t0, str(info.value)
+    out = ranks.run(body, timeout=30)
+    for took, text in out:
+        assert "not formed within 1 s" in text and "communicator creation" in text, text
+        assert 0.9 < took < 2.4, took
+    end = time.monotonic() + 10
+    while any(c.ended != "aborted" for c in lib.comms.values()) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert sorted(c.ended for c in lib.comms.values()) == ["aborted", "aborted"]
+    ranks.close()
+
+
+def test_a_blocking_init_with_a_missing_peer_fails_with_the_ring_deadline(no_breach):
+    """Rank 1 never starts: NCCL's own ring deadline ends the blocking init, and its error
+    reaches the caller as the group's connect error (not a hang, not a helper's traceback)."""
+    ranks = Ranks(2, connect_timeout=0.5, op_timeout=5.0, blocking=True)
+
+    def body(r, e):
+        with pytest.raises(NcclGroupError) as info:
+            e.allreduce([torch.ones(1)]).wait()
+        return type(info.value).__name__, str(info.value)
+    [(name, text)] = ranks.run(body, timeout=30, ranks=[0])
+    assert name == "NcclConnectError" and "communicator creation" in text and "rootless init" in text, text
     ranks.close()

@@ -87,7 +87,7 @@ def test_hundreds_of_rounds_of_racing_failures(monkeypatch, no_breach):
         action = ACTIONS[i % len(ACTIONS)]
         n = 2 + i % 2
         ranks = Ranks(n, lib=SimNccl(jitter=0.0002, launch_polls=rng.randrange(0, 4)), connect_timeout=5.0,
-                      op_timeout=10.0)
+                      op_timeout=10.0, blocking=(i // 2) % 2 == 1)      # both kinds of comm, at N = 2 and 3
         stop = threading.Event()
         futures: list = []
         outcome = {}

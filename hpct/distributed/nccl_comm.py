@@ -6,7 +6,10 @@ The rules (NCCL 2.30.7's sources and torch's ProcessGroupNCCL say why each is ne
    non-blocking comm that call completes and frees the comm's finished group job without a lock
    of NCCL's own (init.cc ~3477), so two threads polling one comm at once free it twice.  torch
    keeps a mutex per NCCLComm for the same reason.  The lock is held for one call at a time and
-   never across a wait: every call on a non-blocking comm returns at once.
+   never across a wait of ours.  A non-blocking comm's calls return at once; a blocking comm's
+   launch returns once NCCL has taken it, which a lazy connect to a dead peer can hold: the
+   watchdog then looks with ``poll_if_free`` (it never queues behind the launch) and ends it
+   by abort (rule 4) once it is older than the op timeout.
 2. **No call after the comm has ended.**  Whoever ends it (abort or destroy) marks it ended
    under the lock, so a call that takes the lock afterwards sees the mark and touches nothing.
 3. **Abort alone ends a failed comm**, never revoke then abort: with a group job still linked,
@@ -63,9 +66,9 @@ class Communicator:
 
     # ---- creation ---------------------------------------------------------------------------
     @classmethod
-    def create_rootless(cls, lib, nranks: int, rank: int, spec) -> "Communicator":
-        """Start a non-blocking rootless init; ``settle`` then waits for it (bounded)."""
-        handle, _ = lib.comm_init_rootless(nranks, rank, spec, blocking=False)
+    def create_rootless(cls, lib, nranks: int, rank: int, spec, *, blocking: bool = False) -> "Communicator":
+        """Start a rootless init (non-blocking unless asked); ``settle`` then waits for it (bounded)."""
+        handle, _ = lib.comm_init_rootless(nranks, rank, spec, blocking=blocking)
         return cls(lib, handle, f"rank {rank} of {nranks}, listen {spec.listen_addr}, next {spec.next_addr}")
 
     # ---- state --------------------------------------------------------------------------------
@@ -86,6 +89,18 @@ class Communicator:
             return self.call("async_error")
         except CommEnded:
             return ENDED
+
+    def poll_if_free(self) -> int | None:
+        """``poll()``, or None at once when another call holds the comm (a blocking launch that
+        NCCL holds: the watchdog must not queue behind it, it has to end it)."""
+        if not self.lock.acquire(blocking=False):
+            return None
+        try:
+            if self._ending or self._ended:
+                return ENDED
+            return self.lib.async_error(self._handle)
+        finally:
+            self.lock.release()
 
     def launch(self, calls: Sequence[Call], stream: int) -> int:
         """One NCCL group of ``calls`` on ``stream``, under the lock.  Returns ncclGroupEnd's

@@ -12,6 +12,7 @@ Semantics the engine relies on (CUDA's, and what the double reproduces):
 - an event recorded on a stream completes when the stream reaches it; ``done`` polls it,
   ``host_wait`` blocks the host (GIL released), ``stream_wait`` makes the caller's current
   stream wait (no host block);
+- ``bind(dev, stream)`` makes them the calling thread's current device and stream for good;
 - ``enqueue(dev, stream, fn)`` runs host code that launches device work (a copy, a stack)
   so that the work lands on ``stream`` in order; on a GPU that is ``fn()`` under the stream
   context, for the double it is ``fn`` run by the stream itself;
@@ -55,6 +56,12 @@ class CudaRuntime:
         """Device work launched inside lands on ``stream`` of ``dev``."""
         with torch.cuda.device(dev), torch.cuda.stream(stream):
             yield
+
+    def bind(self, dev: torch.device, stream) -> None:
+        """Make ``dev`` and ``stream`` this thread's current device and stream for good (the
+        completer's thread: what it records lands on the engine stream, without a context per op)."""
+        torch.cuda.set_device(dev)
+        torch.cuda.set_stream(stream)
 
     def enqueue(self, dev: torch.device, stream, fn) -> None:
         with self.on(dev, stream):

@@ -1,11 +1,15 @@
 """The two threads of an NCCL engine: the watchdog and the completer.
 
 The watchdog turns what NCCL cannot report by itself into a failed group: an op past its
-timeout, an asynchronous error of the communicator (a lost peer), a batch of sends and
-receives that nobody flushed.  The completer settles each launched op's future once the
-op's GPU work has ended, in launch order, so that DDP's backward sees a lost peer's error
-before the optimizer steps on gradients that were never fully reduced; until then it holds
-the op, and with it every tensor the kernel may still touch.
+timeout, a launch that NCCL holds past the op timeout (a blocking comm's lazy connect to a
+dead peer), an asynchronous error of the communicator (a lost peer), a batch of sends and
+receives that nobody flushed.  The completer settles an op's future once the op's GPU
+work has ended, in launch order, so that DDP's backward sees a lost peer's error before the
+optimizer steps on gradients that were never fully reduced; until then it holds the op, and
+with it every tensor the kernel may still touch.  It sees only the ops that need it: those
+whose future was asked for (DDP's) and those that failed while their kernel may still run.  A
+plain collective never reaches it: the watchdog's look every 50 ms drops its tensors once its
+event has completed, as ProcessGroupNCCL's watchdog does.
 
 Neither thread touches the communicator except through ``Communicator`` (nccl_comm.py), and
 neither holds the engine's lock across a wait.  Work launched into a CUDA graph capture is
@@ -71,7 +75,10 @@ class Watchers:
             self._threads.append(t)
 
     def launched(self, works) -> None:
+        """Hold ``works`` until their events complete, then settle their futures (in order)."""
         with self._cv:
+            for w in works:
+                w._queued = True
             self._queue.extend(works)
             self._cv.notify()
 
@@ -89,6 +96,9 @@ class Watchers:
     # ---- the completer ------------------------------------------------------------------------
     def _complete_in_order(self) -> None:
         runtime = self.engine.runtime
+        # Once, not per op: this thread's current device and stream are the engine's (a device
+        # and stream context per future cost about 20 us of host time each on an H200 host).
+        runtime.bind(self.engine._device, self.engine._stream)
         while True:
             with self._cv:
                 while not self._queue or self.exiting:
@@ -127,9 +137,16 @@ class Watchers:
                                f"did not complete within the op timeout ({e.op_timeout:g} s); "
                                "the communicator is aborted", peer=w.peer))
                 return True
+        since = e._launch_since
+        if since is not None and now - since > e.op_timeout:
+            e._fail(e._err(NcclOpTimeoutError, "launch", f"NCCL did not take the launch within the op timeout "
+                                                         f"({e.op_timeout:g} s); the communicator is aborted"))
+            return True
         if comm is None:
             return False
-        state = comm.poll()
+        state = comm.poll_if_free()
+        if state is None:             # a launch holds the comm: look again at the next tick
+            return False
         if state == ENDED:
             return True
         if state not in (nccl_lib.SUCCESS, nccl_lib.IN_PROGRESS):

@@ -65,20 +65,28 @@ class NcclWork(dist.Work):
         self._launched = threading.Event()
         self._error: BaseException | None = None
         self._done = False
-        self._raw = self._runtime.future(device)     # completed with (ok, value)
+        # The (ok, value) future is made only when someone asks (get_future: DDP does, a plain
+        # collective's wait() does not); the completer then settles it once the kernel has ended.
+        self._raw = None
         self._fut = None                  # get_future()'s, made on first use
+        self._queued = False              # handed to the completer (it holds the op until its event)
         self._settle_lock = threading.Lock()
         self.deadline: float | None = None
 
     # ---- engine side --------------------------------------------------------------------------
-    def _mark_launched(self, event, stream) -> None:
-        self._event = event
-        self._stream = stream
-        self.deadline = time.monotonic() + self._engine.op_timeout
-        if self.captured:                 # as ProcessGroupNCCL: a captured op completes at launch
-            self._done = True
-            self._settle((True, self._result))
+    def _mark_launched(self, event, stream) -> bool:
+        """Launched: True when the completer must settle a future already asked for."""
+        with self._settle_lock:
+            self._event = event
+            self._stream = stream
+            self.deadline = time.monotonic() + self._engine.op_timeout
+            if self.captured:             # as ProcessGroupNCCL: a captured op completes at launch
+                self._done = True
+                if self._raw is not None and not self._raw.done():
+                    self._raw.set_result((True, self._result))
+            settle = self._raw is not None and not self.captured
         self._launched.set()
+        return settle
 
     def _fail(self, err: BaseException) -> None:
         with self._settle_lock:
@@ -86,26 +94,24 @@ class NcclWork(dist.Work):
                 self._error = err
             if self._event is None:       # never launched: nothing on the GPU can use them
                 self._keep = []
-            if not self._raw.done():
+            if self._raw is not None and not self._raw.done():
                 self._raw.set_result((False, err))
         self._launched.set()
 
-    def _settle(self, outcome) -> None:
-        with self._settle_lock:
-            if not self._raw.done():
-                self._raw.set_result(outcome)
+    def _held(self) -> bool:
+        """A failed op whose kernel may still run: the completer must hold it (its tensors)
+        until its event completes -- the abort ends the kernel."""
+        return self._event is not None and not self.captured and not self._queued and not self._poll()
 
     def _finish(self) -> None:
-        """The completer's: the op's GPU work has ended; settle the future with its outcome."""
+        """The completer's: the op's GPU work has ended; settle the future, if one was asked for.
+        The completer's thread has the engine's device and stream as its current ones
+        (runtime.bind), so a CUDA-aware future's consumer waits for the engine stream."""
         with self._settle_lock:
-            if self._raw.done():
+            self._done, self._keep = True, []
+            if self._raw is None or self._raw.done():
                 return
-            if self._error is not None:
-                self._raw.set_result((False, self._error))
-                return
-            # On the engine stream: a consumer of the future waits for the op's stream.
-            with self._runtime.on(self.device, self._stream):
-                self._raw.set_result((True, self._result))
+            self._raw.set_result((False, self._error) if self._error is not None else (True, self._result))
 
     def _poll(self) -> bool:
         """True when the op's GPU work has ended (or it never launched and failed); drops the
@@ -177,8 +183,28 @@ class NcclWork(dist.Work):
         if not self._launched.is_set():
             self._engine._flush()
         if self._fut is None:
-            self._fut = self._raw.then(_unpack)
+            self._fut = self._future().then(_unpack)
         return self._fut
+
+    def _future(self):
+        """The (ok, value) future, made now: settled at once when the op has failed or ended (or
+        was captured), else by the completer when its kernel ends (or by the launch that queues it)."""
+        queue = False
+        with self._settle_lock:
+            if self._raw is None:
+                self._raw = self._runtime.future(self.device)
+                if self._error is not None:
+                    self._raw.set_result((False, self._error))
+                elif self._event is None:
+                    pass                  # not launched yet: the launch hands it to the completer
+                elif self._done or self._poll():
+                    with self._runtime.on(self.device, self._stream):
+                        self._raw.set_result((True, self._result))
+                else:
+                    queue = True
+        if queue:
+            self._engine._watchers.launched([self])
+        return self._raw
 
     def result(self):
         self.wait()

@@ -88,7 +88,7 @@ def test_launch_overhead_table(n):
     """Not a claim: where a small op's time goes (stock, the engine, bare NCCL calls)."""
     outs = run_ranks(n, "overhead")
     table = next((o for o in outs if "OVERHEAD" in o), "")
-    assert table.count(f"OVERHEAD n={n}") == 15 and "PROFILE" in table, outs
+    assert table.count(f"OVERHEAD n={n}") == 17 and "PROFILE" in table, outs
     report = Path(os.environ.get("GPU_PROOF_REPORT", "build/gpu-proof"))
     report.mkdir(parents=True, exist_ok=True)
     (report / f"overhead-{n}.txt").write_text(table)

@@ -167,10 +167,10 @@ elif mode == "timing":
         print("\n".join(lines), flush=True)
 elif mode == "overhead":
     # Where a small op's time goes.  Under MPS (2026-11-26, H200) hpct's 4 B all_reduce took
-    # 439 us against stock's 151.  NCCL runs ncclGroupEnd of a non-blocking communicator (what
-    # the engine creates, so that forming and launching stay abortable) on a new thread each time
-    # (group.cc, "nonblocking group"); torch's comms are blocking.  Same library, same pins, one
-    # table: stock, the engine, and the bare calls on a non-blocking and on a blocking rootless comm.
+    # 439 us against stock's 151.  NCCL runs ncclGroupEnd of a non-blocking communicator on a new
+    # thread each time (group.cc, "nonblocking group"); torch's comms are blocking, and so are the
+    # engine's by default since 2026-11-27.  Same library, same pins, one table: stock, the
+    # engine on both kinds of comm, and the bare calls on a non-blocking and on a blocking comm.
     from hpct.distributed import nccl_find, nccl_lib
     from hpct.distributed.nccl_engine import job_key, nccl_addresses
     lib = nccl_find.load()
@@ -223,13 +223,28 @@ elif mode == "overhead":
         lib.all_reduce(ptr, ptr, 1, F32, SUM, bl, sh)
         lib.group_end()
 
+    # The engine over a non-blocking comm (HPCT_NCCL_BLOCKING=0; ``eng`` has the default, a
+    # blocking one): the difference is NCCL's thread per ncclGroupEnd of a non-blocking comm.
+    eng_nb = engine_for_group(cfg, name="5", index=5, slot=5, group_rank=rank, global_ranks=list(range(n)),
+                              generation=0, op_timeout=60.0)
+    eng_nb.blocking_comm = False
+    eng_nb.barrier().wait()
+
+    def with_future():
+        w = eng.allreduce([tiny], R.SUM)
+        w.get_future()                   # as DDP's reducer: the completer settles it
+        w.wait()
+
     rows = [("stock ProcessGroupNCCL (blocking comm)", per_op(lambda: dist.all_reduce(tiny))),
-            ("hpct engine (non-blocking comm)", per_op(lambda: eng.allreduce([tiny], R.SUM).wait())),
+            ("hpct engine (blocking comm, the default)", per_op(lambda: eng.allreduce([tiny], R.SUM).wait())),
+            ("hpct engine, get_future() as DDP", per_op(with_future)),
+            ("hpct engine (non-blocking comm)", per_op(lambda: eng_nb.allreduce([tiny], R.SUM).wait())),
             ("bare: group on a non-blocking comm, polled", per_op(nb_op)),
             ("bare: ncclAllReduce on a blocking comm", per_op(bl_op)),
             ("bare: group on a blocking comm", per_op(bl_group_op))]
     lib.abort(nb)
     lib.abort(bl)
+    eng_nb.shutdown(10.0)
     lines = [f"OVERHEAD n={n}  {'4 B all_reduce':44s} {'us/op':>9s} {'host us/op':>11s}"]
     lines += [f"OVERHEAD n={n}  {w:44s} {a:9.1f} {b:11.1f}" for w, (a, b) in rows]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 
 import torch
 
@@ -54,8 +55,8 @@ def reduce_in_place(ctx, t: torch.Tensor, op: int, nranks: int) -> None:
 
 
 class Kernel:
-    def __init__(self, comm, ops, *, hang: bool):
-        self.comm, self.ops, self.hang = comm, ops, hang
+    def __init__(self, comm, ops, *, hang: bool, linger_s: float = 0.0):
+        self.comm, self.ops, self.hang, self.linger_s = comm, ops, hang, linger_s
         self.finished = threading.Event()
 
     def run(self) -> None:
@@ -63,6 +64,7 @@ class Kernel:
         try:
             if self.hang:                      # an op that never completes: ends at the abort only
                 comm.aborted.wait(HANG_S)
+                time.sleep(self.linger_s)      # a real kernel notices the abort flag a little later
                 return
             if comm.aborted.is_set():          # an aborted comm's kernels exit at once
                 return

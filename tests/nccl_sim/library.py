@@ -1,12 +1,16 @@
 """The simulated NCCL library: the methods of hpct.distributed.nccl_lib.NcclLibrary the engine calls.
 
 Semantics (NCCL's, as documented and as 2.30.7's sources behave):
-- a communicator is non-blocking: ncclCommInitRankRootless answers ncclInProgress and forms
+- a non-blocking communicator: ncclCommInitRankRootless answers ncclInProgress and forms
   the ring (bootstrap.py) and the data context on a thread; ncclCommGetAsyncError answers
   ncclInProgress until then, ncclSuccess after, or the error;
-- ncclGroupStart/End are per thread; ncclGroupEnd answers ncclInProgress and the group's
-  launch is "taken" after ``launch_polls`` polls of the comm's async state (or never, with
-  the fault ``stuck_launch``); its kernel then runs on the stream (kernels.py);
+- ncclGroupStart/End are per thread; on a non-blocking comm ncclGroupEnd answers ncclInProgress
+  and the group's launch is "taken" after ``launch_polls`` polls of the comm's async state (or
+  never, with the fault ``stuck_launch``); its kernel then runs on the stream (kernels.py);
+- a blocking communicator: the init forms the ring in the calling thread and answers its
+  result; ncclGroupEnd returns once the launch is taken, or -- ``stuck_launch``: a lazy connect
+  to a peer that never answers -- holds the caller until ncclCommAbort from another thread,
+  then answers an error;
 - a peer that vanishes: the kernel's transfer fails, the comm's async state becomes
   ncclRemoteError, and the kernel hangs (as an NCCL kernel spins) until ncclCommAbort;
 - ncclCommAbort from any thread: every later call on the comm is a breach; a hung kernel
@@ -31,7 +35,7 @@ from hpct.distributed import nccl_lib
 from . import breach
 from .bootstrap import RingError, ring_addresses, split_addr
 from .kernels import Kernel
-from .runtime import STREAMS
+from .runtime import HANG_S, STREAMS
 
 SUCCESS, IN_PROGRESS = nccl_lib.SUCCESS, nccl_lib.IN_PROGRESS
 SYSTEM_ERROR, INVALID_USAGE, REMOTE_ERROR = 2, 5, 6
@@ -43,6 +47,7 @@ class SimComm:
         self.lib, self.rank, self.nranks, self.spec = lib, rank, nranks, spec
         self.handle = next(_handles)
         self.state = IN_PROGRESS          # the async result
+        self.blocking = False             # config.blocking
         self.last_error = ""
         self.ctx = None                   # the data context (hpct's storeless Gloo)
         self.ended: str | None = None     # "aborted" / "destroyed"
@@ -70,8 +75,9 @@ class SimNccl:
     has_rootless = has_revoke = True
 
     def __init__(self, *, launch_polls: int = 2, stuck_launch: bool = False, hang_op: bool = False,
-                 init_delay: float = 0.0, jitter: float = 0.0):
+                 init_delay: float = 0.0, jitter: float = 0.0, linger_s: float = 0.0):
         self.launch_polls, self.stuck_launch, self.hang_op = launch_polls, stuck_launch, hang_op
+        self.linger_s = linger_s             # a hung kernel runs this long after the abort
         self.init_delay, self.jitter = init_delay, jitter
         self.comms: dict[int, SimComm] = {}
         self.on_abort: list = []             # tests: fn(comm) run inside ncclCommAbort
@@ -122,7 +128,11 @@ class SimNccl:
     # ---- communicators ----------------------------------------------------------------------------
     def comm_init_rootless(self, nranks: int, rank: int, spec, *, blocking: bool = False):
         comm = SimComm(self, rank, nranks, spec)
+        comm.blocking = blocking
         self.comms[comm.handle] = comm
+        if blocking:
+            self._form(comm)
+            return comm.handle, self.check(comm.state, "ncclCommInitRankRootless", comm.handle)
         threading.Thread(target=self._form, args=(comm,), daemon=True, name=f"sim-init-{rank}").start()
         return comm.handle, IN_PROGRESS
 
@@ -214,7 +224,10 @@ class SimNccl:
         by_comm: dict[int, list] = {}
         for op in ops:
             by_comm.setdefault(op[1], []).append(op)
-        result = IN_PROGRESS if by_comm else SUCCESS
+        blocking = {self.comms[h].blocking for h in by_comm if h in self.comms}
+        if len(blocking) > 1:
+            raise breach("blocking and non-blocking communicators in one group (NCCL refuses it)")
+        result = IN_PROGRESS if by_comm and blocking != {True} else SUCCESS
         for handle, comm_ops in by_comm.items():
             comm = self._enter(handle, "ncclGroupEnd")
             try:
@@ -229,11 +242,16 @@ class SimNccl:
                 streams = {op[2] for op in comm_ops}
                 if len(streams) != 1:
                     raise breach(f"one group puts rank {comm.rank}'s ops on {len(streams)} streams")
+                if comm.blocking and self.stuck_launch:
+                    comm.aborted.wait(HANG_S)       # held inside NCCL until an abort ends the connect
+                    result = SYSTEM_ERROR
+                    continue
                 comm.groups.append([op[0] for op in comm_ops])
-                kernel = Kernel(comm, [(op[0], op[3]) for op in comm_ops], hang=self.hang_op)
+                kernel = Kernel(comm, [(op[0], op[3]) for op in comm_ops], hang=self.hang_op, linger_s=self.linger_s)
                 comm.kernels.append(kernel)
                 STREAMS[streams.pop()].put(kernel.run)
-                comm.job_polls = self.launch_polls
+                if not comm.blocking:
+                    comm.job_polls = self.launch_polls
             finally:
                 self._leave(comm)
         return self.check(result, "ncclGroupEnd", allow_in_progress=True)

@@ -94,6 +94,9 @@ class SimRuntime:
     def on(self, dev, stream):
         yield
 
+    def bind(self, dev, stream) -> None:
+        pass                               # no current stream to set: the host is the caller's stream
+
     def enqueue(self, dev, stream: SimStream, fn) -> None:
         stream.put(fn)
 
