@@ -2,7 +2,7 @@
 """The device side of the GPU proof: check the machine, install from the pack, run the proof.
 
     python3 ci/gpu_device.py preflight [--from DIR] [--json FILE]
-    python3 ci/gpu_device.py run [--from DIR] [--work DIR] [--phase smoke|proof|more|overhead|all]
+    python3 ci/gpu_device.py run [--from DIR] [--work DIR] [--phase smoke|proof|more|overhead|held|all]
                                  [--report DIR] [--budget-s SECONDS] [--mps]
 
 Nothing is built here: the pack (ci/gpu_pack.py, made on the CPU machine) carries the patched
@@ -55,6 +55,7 @@ PHASES = {
 }
 # Where a small op's time goes (run under MPS: without it the ranks' kernels take turns on the GPU)
 PHASES["overhead"] = [_T + "test_launch_overhead_table[4]", _T + "test_launch_overhead_table[2]"]
+PHASES["held"] = [_T + "test_a_blocking_launch_held_by_a_silent_peer_is_ended_at_the_op_timeout"]
 PHASES["all"] = PHASES["smoke"] + PHASES["proof"]
 
 

@@ -94,6 +94,21 @@ def test_launch_overhead_table(n):
     (report / f"overhead-{n}.txt").write_text(table)
 
 
+def test_a_blocking_launch_held_by_a_silent_peer_is_ended_at_the_op_timeout():
+    """The risk of blocking comms (the default): a launch NCCL holds.  The last rank stops
+    (SIGSTOP) after forming the comm; rank 0's first all_reduce waits in ncclGroupEnd for the lazy
+    connect.  The watchdog must fail the group at the op timeout and its abort end the call."""
+    outs = run_ranks(2, "held", timeout=90)
+    line = next((ln for o in outs for ln in o.splitlines() if ln.startswith("HELD")), "")
+    report = Path(os.environ.get("GPU_PROOF_REPORT", "build/gpu-proof"))
+    report.mkdir(parents=True, exist_ok=True)
+    (report / "held-2.txt").write_text(line + "\n")
+    assert line, outs
+    took = float(line.split(": ", 1)[1].split(" s", 1)[0])
+    assert "unexpected" not in line and "Error" in line, line
+    assert took < proof_settings.HELD_OP_TIMEOUT_S + proof_settings.HELD_SLACK_S, line
+
+
 # DDP on CUDA through the hpct backend (its NCCL engine) against torch's own NCCL, and the
 # in-process recovery of the CPU tier (tests/test_recovery.py) on the GPU: the same trainer.
 STEPS, KILL_STEP = 20, 10

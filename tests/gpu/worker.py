@@ -165,6 +165,34 @@ elif mode == "timing":
     lines.append(f"TIMING n={n}  4 B: hpct is {lat[1] - lat[0]:+.1f} us per op against stock (target <= +30)")
     if rank == 0:
         print("\n".join(lines), flush=True)
+elif mode == "held":
+    # A blocking launch that NCCL holds: the last rank forms the comm, then stops (SIGSTOP: alive and
+    # silent), so the others' first collective waits inside ncclGroupEnd for the lazy connect.  The
+    # watchdog must fail the group at the op timeout and its abort must end the call.
+    import signal
+    heng = engine_for_group(cfg, name="6", index=6, slot=6, group_rank=rank, global_ranks=list(range(n)),
+                            generation=0, op_timeout=ps.HELD_OP_TIMEOUT_S)
+    assert heng.blocking_comm, "the default comm is not blocking"
+    heng._ensure_stream(dev)
+    with heng._launch_lock:
+        heng._ensure_comm()              # the ring and the bootstrap; no channel is connected yet
+    pids = [None] * n
+    dist.all_gather_object(pids, os.getpid())
+    if rank == n - 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        os._exit(0)                      # continued by rank 0 once it is done
+    time.sleep(1.0)
+    t0 = time.perf_counter()
+    try:
+        heng.allreduce([torch.ones(1, device=dev)], R.SUM).wait()
+        torch.cuda.synchronize()
+        outcome = "completed (unexpected: the peer is stopped)"
+    except Exception as err:   # noqa: BLE001 -- reported
+        outcome = f"{type(err).__name__}: {err}"
+    took = time.perf_counter() - t0
+    os.kill(pids[n - 1], signal.SIGCONT)
+    print(f"HELD n={n} rank {rank}: {took:.2f} s: {outcome}", flush=True)
+    os._exit(0)
 elif mode == "overhead":
     # Where a small op's time goes.  Under MPS (2026-11-26, H200) hpct's 4 B all_reduce took
     # 439 us against stock's 151.  NCCL runs ncclGroupEnd of a non-blocking communicator on a new
