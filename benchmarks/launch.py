@@ -8,6 +8,10 @@ launchers, in the same invocation, and the last rank is SIGKILLed once it has co
 * ``hpct run``: the node's agent starts a replacement (a cold Python: it imports torch), the
   survivors recover in-process at the next generation and nobody else restarts;
 * ``hpct run --standby 1``: the same, the replacement is a warm standby (torch imported);
+* ``hpct run``, a node lost (``--launchers hpct-node``, N >= 3: a majority must survive): the
+  last node's agent and workers are SIGKILLed together; the survivors' agents drop it after
+  ``--node-grace`` seconds of silence and their workers shrink in-process.  Reported: the first
+  step of the shrunk world after the kill, the grace it includes, and the time after the drop;
 * ``torchrun --max-restarts 1`` (``python -m torch.distributed.run``) on stock Gloo: every worker
   is stopped and started again, and the script (no checkpoint) starts again at step 0.  It runs
   with torch's own ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with the agent-shared store (the
@@ -55,7 +59,10 @@ LAUNCHERS = {
     "hpct": "hpct run",
     "hpct-standby": "hpct run --standby 1",
     "torchrun": "torchrun --max-restarts 1",
+    "hpct-node": "hpct run, a node lost",
 }
+DEFAULT_LAUNCHERS = "hpct,hpct-standby,torchrun"
+NODE_LOSS = "hpct-node"             # not a worker loss: no torchrun ratio (a static torchrun job ends)
 GOAL = "with a standby, worker loss -> next step >= 10x faster than torchrun's restart and under 1 s"
 
 
@@ -151,14 +158,32 @@ def analyse(out: Path, world: int, t_kill: float, before: dict[int, int], pids: 
 
 # ---- one run ---------------------------------------------------------------------------------
 
-def run_hpct(tmp: Path, nodes: int, nproc: int, standby: int, args, ns, tag: str) -> dict:
+def _kill_node(agents, node: int, out: Path, world: int) -> tuple[float, dict[int, int]]:
+    """SIGKILL a node's agent and every process under it at once (its workers, its standbys)."""
+    from launch_cluster import progress
+    agent = agents.procs[node].pid
+    victims = [agent, *_descendants([agent])]
+    before = {r: progress(out, r) for r in range(world)}
+    t_kill = time.time()
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return t_kill, before
+
+
+def run_hpct(tmp: Path, nodes: int, nproc: int, standby: int, args, ns, tag: str, node_loss: bool = False) -> dict:
     from launch_cluster import Agents
     from hpct.ports import free_port_block
     world, victim = nodes * nproc, nodes * nproc - 1
+    if node_loss and nodes < 3:
+        raise ValueError(f"a node loss needs 3 nodes or more (a majority of the last view survives), not {nodes}")
     out = tmp / "out"
     out.mkdir()
     script = [str(EXAMPLE), "--steps", str(args.steps), "--step-time", str(args.step_time), "--out", str(out)]
-    flags = ["--nnodes", str(nodes), "--nproc-per-node", str(nproc), "--standby", str(standby), "--rdzv-id", "bench"]
+    flags = ["--nnodes", str(nodes), "--nproc-per-node", str(nproc), "--standby", str(standby), "--rdzv-id", "bench",
+             "--node-grace", str(args.node_grace)]
     if ns:
         flags += ["--hosts", ",".join(n.address for n in ns)]
     else:
@@ -175,13 +200,34 @@ def run_hpct(tmp: Path, nodes: int, nproc: int, standby: int, args, ns, tag: str
                     agents.wait_event(n, "standby", max(1.0, deadline - time.monotonic()))
             _wait_progress(out, victim, args.kill_step, deadline, alive, what)
             pids = {r: agents.worker_pid(r // nproc, r) for r in range(world)}
-            t_kill, before = _kill(out, world, pids[victim])
-            codes = agents.wait(max(1.0, deadline - time.monotonic()))
-            if codes != [0] * nodes:
-                raise RuntimeError(f"{what}: agents exited {codes}")
+            if node_loss:
+                t_kill, before = _kill_node(agents, nodes - 1, out, world)
+                codes = [agents.procs[n].wait(timeout=max(1.0, deadline - time.monotonic()))
+                         for n in range(nodes - 1)]
+                if codes != [0] * (nodes - 1):
+                    raise RuntimeError(f"{what}, node {nodes - 1} lost: the survivors' agents exited {codes}")
+            else:
+                t_kill, before = _kill(out, world, pids[victim])
+                codes = agents.wait(max(1.0, deadline - time.monotonic()))
+                if codes != [0] * nodes:
+                    raise RuntimeError(f"{what}: agents exited {codes}")
         except (TimeoutError, RuntimeError, OSError) as err:
             tails = "\n".join(agents.output(n)[-1500:] for n in range(nodes) if agents.err_path(n).exists())
             raise RuntimeError(f"{err}\n{tails}") from None
+    if node_loss:
+        alive = (nodes - 1) * nproc                 # the survivors keep their ranks; the lost node's go
+        res = analyse(out, alive, t_kill, {r: n for r, n in before.items() if r < alive},
+                      {r: p for r, p in pids.items() if r < alive})
+        from datetime import datetime
+        drops = [datetime.fromisoformat(e["time"]).timestamp() for n in range(nodes - 1)
+                 for e in agents.events(n, "node-lost")]
+        if not drops:
+            raise RuntimeError(f"{what}: the survivors' agents logged no node-lost event")
+        res["node_grace_s"] = args.node_grace
+        res["dropped_s"] = round(min(drops) - t_kill, 4)
+        res["how"] = min((e for n in range(nodes - 1) for e in agents.events(n, "node-lost")),
+                         key=lambda e: e["time"])["message"]
+        return res
     res = analyse(out, world, t_kill, before, pids)
     replacements = [e for n in range(nodes) for e in agents.events(n, "start") if e["generation"] > 0]
     res["warm"] = [bool(e.get("warm")) for e in replacements]
@@ -262,6 +308,8 @@ def run_once(launcher: str, nodes: int, nproc: int, args, ns) -> dict:
     try:
         if launcher == "torchrun":
             run.update(run_torchrun(tmp, nodes, nproc, args, ns, tag))
+        elif launcher == NODE_LOSS:
+            run.update(run_hpct(tmp, nodes, nproc, 0, args, ns, tag, node_loss=True))
         else:
             run.update(run_hpct(tmp, nodes, nproc, int(launcher == "hpct-standby"), args, ns, tag))
     except (TimeoutError, RuntimeError, OSError, KeyError, ValueError) as err:
@@ -310,6 +358,8 @@ def render(configs: list[dict], args) -> str:
                          num(s["steps_lost"], "g"), num(s["restarted"], "d"),
                          "-" if ratio is None else f"{ratio:.1f}x", f"{s['completed']}/{args.repeat}"])
         warm = c["median"].get("hpct-standby", {}).get("recovery_s")
+        if set(c["median"]) <= {NODE_LOSS}:
+            continue                          # the goal is a worker loss's; a node loss has none
         if warm is None or stock is None:
             goals.append(f"  {c['config']}: not measured (needs hpct-standby and torchrun runs that completed)")
         else:
@@ -322,6 +372,13 @@ def render(configs: list[dict], args) -> str:
     head = ["config", "launcher", "recovery (s)", "steps lost", "ranks restarted", "torchrun/this", "runs ok"]
     note = ("torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (its restart fails with the shared store: "
             "pytorch/pytorch#135712)")
+    for c in configs:
+        for r in c["runs"]:
+            if r["launcher"] == NODE_LOSS and r.get("error") is None:
+                note += (f"\n{c['config']}, a node lost (--node-grace {r['node_grace_s']:g}): the last node's agent and "
+                         f"workers SIGKILLed; the survivors' agents dropped it {r['dropped_s']:.3f} s after the kill "
+                         f"({r['how']}); the shrunk world's first step {r['recovery_s']:.3f} s after the kill "
+                         f"({r['recovery_s'] - r['dropped_s']:.3f} s after the drop)")
     return "\n".join([title, "", table(head, rows), "", note, "", f"goal: {GOAL}", *goals])
 
 
@@ -345,7 +402,9 @@ def _config(text: str) -> tuple[int, int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="1x4", help="comma list of NODESxWORKERS (N > 1: network namespaces)")
-    ap.add_argument("--launchers", default=",".join(LAUNCHERS), help=f"comma list of {', '.join(LAUNCHERS)}")
+    ap.add_argument("--launchers", default=DEFAULT_LAUNCHERS, help=f"comma list of {', '.join(LAUNCHERS)}")
+    ap.add_argument("--node-grace", type=float, default=1.0,
+                    help="hpct run --node-grace: seconds of silence that make a node lost (hpct-node runs)")
     ap.add_argument("--kill-step", type=int, default=20, help="the last rank is killed after this many steps")
     ap.add_argument("--steps", type=int, default=None, help="steps of the run (default: kill step + 10)")
     ap.add_argument("--step-time", type=float, default=0.05, help="seconds of simulated compute per step")
@@ -383,7 +442,7 @@ def main(argv=None) -> int:
                         runs += [run_once(launcher, nodes, nproc, args, ns) for _ in range(args.repeat)]
         median = {x: summarise([r for r in runs if r["launcher"] == x]) for x in launchers}
         stock = median.get("torchrun", {}).get("recovery_s")
-        ratio = {x: (round(stock / s["recovery_s"], 2) if stock and s["recovery_s"] else None)
+        ratio = {x: (round(stock / s["recovery_s"], 2) if stock and s["recovery_s"] and x != NODE_LOSS else None)
                  for x, s in median.items()}
         results.append({"config": name, "nodes": nodes, "workers_per_node": nproc, "runs": runs,
                         "median": median, "ratio": ratio})

@@ -116,3 +116,20 @@ def test_launch_replaces_one_worker_in_place_where_torchrun_restarts_all(tmp_pat
     assert tr["restarted"] == [0, 1] and tr["steps_lost"] >= 3, tr  # everyone again from step 0
     assert re.search(r"^\| 1x2 +\| torchrun --max-restarts 1 +\|", text, re.MULTILINE), text
     assert "goal: with a standby, worker loss -> next step" in text, text
+
+
+@pytest.mark.slow
+def test_launch_node_loss_shrinks_the_survivors_in_place(tmp_path):
+    from netns import unavailable_reason
+    if (why := unavailable_reason()) is not None:
+        pytest.skip(why)
+    out = tmp_path / "launch.json"
+    text = _run("launch.py", "--config", "3x1", "--kill-step", "3", "--steps", "8", "--launchers", "hpct-node",
+                "--json", str(out))
+    [run] = json.loads(out.read_text())["configs"][0]["runs"]
+    assert run["error"] is None, run
+    assert run["restarted"] == [] and run["steps_lost"] == 0, run        # the survivors kept their processes
+    assert 0 < run["dropped_s"] <= run["recovery_s"], run
+    assert "node 2 " in run["how"], run
+    assert re.search(r"^3x1, a node lost \(--node-grace 1\): .* dropped it [0-9.]+ s after the kill", text,
+                     re.MULTILINE), text

@@ -131,15 +131,17 @@ class Membership:
             except wire.WireError:
                 silent.append(n)
         if silent:
-            self._drop(silent, [])
+            self._drop(silent, [], probed=True)
 
-    def _drop(self, silent: list[int], left: list[int]) -> None:
+    def _drop(self, silent: list[int], left: list[int], probed: bool = False) -> None:
         with self.cond:
             silent = [n for n in silent if n in self.nodes]
             left = [n for n in left if n in self.nodes and n not in silent]
             if not (silent or left) or self.signalled is not None or self.end is not None:
                 return
-            why = "; ".join([f"node {n} silent for {self.opts.node_grace:g} s" for n in silent] +
+            quiet = "did not answer a probe (a worker was waiting)" if probed else \
+                f"silent for {self.opts.node_grace:g} s"
+            why = "; ".join([f"node {n} {quiet}" for n in silent] +
                             [f"node {n} left" for n in left])
             self.events.emit("node-lost", why, nodes=silent + left)
             self._move(self.generation + 1, [n for n in self.nodes if n not in silent + left], why)
