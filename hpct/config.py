@@ -40,7 +40,7 @@ class Var:
 
     name: str
     field: str
-    kind: str                  # "bool" | "int" | "float" | "hosts" | "path" (a host file) | "file"
+    kind: str                  # "bool" | "int" | "float" | "hosts" | "path" (a host file) | "file" | "places"
     default: object            # None: optional, or derived from other fields
     low: float | None = None
     high: float | None = None
@@ -84,6 +84,9 @@ VARIABLES: tuple[Var, ...] = (
              "60-100 us more per small op)"),
     Var("HPCT_GENERATION", "generation", "int", 0, 0, (1 << 31) - 1,
         help="membership generation a process starts in (a replacement joins at the survivors' next one)"),
+    Var("HPCT_PLAN_PLACES", "plan_places", "places", None,
+        help="comma list: global rank r's place in the port plan (set by `hpct run` for a replacement "
+             "started into a shrunk world); default: rank r at place r"),
     Var("HPCT_AGENT_PORT", "agent_port", "int", None, 1024, MAX_PORT,
         help="port of `hpct run`'s agent on every node (set by it for its workers, who ask it for the new "
              "world in recover()); default for the agent: the first port after the NCCL block"),
@@ -160,6 +163,20 @@ def _parse_hosts(var: Var, raw: str, entries: list[str]) -> tuple[str, ...]:
     return hosts
 
 
+def _parse_places(var: Var, raw: str) -> tuple[int, ...]:
+    try:
+        places = tuple(int(x) for x in raw.split(","))
+    except ValueError:
+        raise _bad(var, raw, "not a comma list of integers",
+                   f"list one plan place per global rank in {var.name}, e.g. 0,1,4,5") from None
+    if min(places) < 0:
+        raise _bad(var, raw, f"negative place {min(places)}", f"places in {var.name} count from 0")
+    dupes = sorted({x for x in places if places.count(x) > 1})
+    if dupes:
+        raise _bad(var, raw, f"place {dupes[0]} listed twice", f"give each rank its own place in {var.name}")
+    return places
+
+
 def _is_ip(host: str) -> bool:
     try:
         ipaddress.ip_address(host)
@@ -190,6 +207,8 @@ def _parse(var: Var, raw: str):
         return float(_parse_number(var, raw, float))
     if var.kind == "hosts":
         return _parse_hosts(var, raw, [h.strip() for h in raw.split(",")])
+    if var.kind == "places":
+        return _parse_places(var, raw)
     if var.kind == "file":
         if not Path(raw).is_file():
             raise _bad(var, raw, "no such file", f"point {var.name} at an existing file, or unset it")
@@ -227,6 +246,7 @@ class Config:
     nccl_library: str | None = None        # the rootless libnccl for the CUDA half
     nccl_blocking: bool = True             # CUDA ops on a blocking NCCL communicator
     agent_port: int | None = None          # hpct run's node agent (None: no agent)
+    plan_places: tuple[int, ...] | None = None   # rank -> plan place at start (a shrunk world's)
     rank: int | None = None
     local_rank: int | None = None
     world_size: int | None = None

@@ -95,6 +95,9 @@ BAD_VALUES = [
     ({"HPCT_HOSTS": "a,,b"}, r"^HPCT_HOSTS='a,,b': bad host entry ''$", "separated by commas"),
     ({"HPCT_HOSTS": "a b,c"}, r"^HPCT_HOSTS='a b,c': bad host entry 'a b'$", "no blanks"),
     ({"HPCT_HOSTS": "a,b,a"}, r"^HPCT_HOSTS='a,b,a': host a listed twice$", "each node once"),
+    ({"HPCT_PLAN_PLACES": "0,x"}, r"^HPCT_PLAN_PLACES='0,x': not a comma list of integers$", "one plan place"),
+    ({"HPCT_PLAN_PLACES": "0,-2"}, r"^HPCT_PLAN_PLACES='0,-2': negative place -2$", "count from 0"),
+    ({"HPCT_PLAN_PLACES": "0,4,4"}, r"^HPCT_PLAN_PLACES='0,4,4': place 4 listed twice$", "its own place"),
     ({"HPCT_HOSTS": "a", "HPCT_HOSTFILE": "/x"}, r"^both HPCT_HOSTS and HPCT_HOSTFILE are set$", "unset one"),
     ({"HPCT_HOSTFILE": "/nonexistent/hosts"},
      r"^HPCT_HOSTFILE='/nonexistent/hosts': cannot read the file \(No such file or directory\)$", "readable file"),
@@ -227,3 +230,14 @@ def test_log_allreduce_is_the_group_size_from_which_float_sums_take_log_depth():
     with pytest.raises(ConfigError) as err:
         Config.from_mapping({"HPCT_LOG_ALLREDUCE": "yes"})
     assert "HPCT_LOG_ALLREDUCE" in err.value.problem
+
+
+def test_plan_places_place_the_first_world_only_and_must_match_its_size():
+    from hpct.distributed import world
+    cfg = Config.from_mapping({"HPCT_PLAN_PLACES": "0,2"})
+    assert cfg.plan_places == (0, 2)
+    assert world._start_places(cfg, 2) == [0, 2]
+    with pytest.raises(ConfigError) as info:
+        world._start_places(cfg, 3)
+    assert info.value.problem == "HPCT_PLAN_PLACES lists 2 places, but WORLD_SIZE is 3"
+    assert world._start_places(Config.from_mapping({}), 3) is None

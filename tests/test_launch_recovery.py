@@ -6,6 +6,7 @@ without faults by stock torchrun on Gloo: a replacement must change nothing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -114,24 +115,30 @@ def test_two_nodes_replace_a_killed_worker(tmp_path):
         assert agents.events(0, "view")[-1]["generation"] == 1, "node 0 learnt the new generation"
 
 
-@pytest.mark.multihost
-@pytest.mark.slow
-def test_a_lost_node_is_dropped_and_the_survivors_shrink(tmp_path):
+@contextlib.contextmanager
+def three_nodes(tmp_path: Path, grace: float, script: list[str]):
+    """Three agents in network namespaces, one worker each, running examples/ddp.py into tmp_path/out."""
     if (why := unavailable_reason()) is not None:
         pytest.skip(why)
     out = tmp_path / "out"
     out.mkdir()
     with netns_network(3, name_prefix="hpct-run", subnet="10.236.0") as ns:
-        hosts = ",".join(n.address for n in ns)
-        args = ["--nnodes", "3", "--nproc-per-node", "1", "--hosts", hosts, "--node-grace", "2",
-                EXAMPLE, *STEPS, "--out", str(out)]
+        args = ["--nnodes", "3", "--nproc-per-node", "1", "--hosts", ",".join(n.address for n in ns),
+                "--node-grace", str(grace), EXAMPLE, *script, "--out", str(out)]
         with Agents(tmp_path, args, nodes=3, namespaces=ns, env={"HPCT_CONNECT_TIMEOUT": "30"}) as agents:
             agents.start()
-            wait_progress(agents, out, 2, 10)
-            agents.procs[2].kill()                       # the node goes: its agent, then its worker
-            os.kill(agents.worker_pid(2, 2), signal.SIGKILL)
-            codes = [agents.procs[n].wait(timeout=LIMIT_S) for n in (0, 1)]
-            assert codes == [0, 0], agents.output(0) + agents.output(1)
+            yield agents, out
+
+
+@pytest.mark.multihost
+@pytest.mark.slow
+def test_a_lost_node_is_dropped_and_the_survivors_shrink(tmp_path):
+    with three_nodes(tmp_path, 2, STEPS) as (agents, out):
+        wait_progress(agents, out, 2, 10)
+        agents.procs[2].kill()                       # the node goes: its agent, then its worker
+        os.kill(agents.worker_pid(2, 2), signal.SIGKILL)
+        codes = [agents.procs[n].wait(timeout=LIMIT_S) for n in (0, 1)]
+        assert codes == [0, 0], agents.output(0) + agents.output(1)
     survivors = [r for r in records(out)]
     assert sorted(r["rank"] for r in survivors) == [0, 1]
     assert len({r["digest"] for r in survivors}) == 1
@@ -141,3 +148,32 @@ def test_a_lost_node_is_dropped_and_the_survivors_shrink(tmp_path):
     for n in (0, 1):                 # one agent noticed first; the other took its view
         assert agents.events(n, "view")[-1]["nodes"] == [0, 1]
         assert not [e for e in agents.events(n, "start") if e["generation"] > 0], "nothing restarted"
+
+
+@pytest.mark.multihost
+@pytest.mark.slow
+def test_a_worker_lost_after_a_shrink_is_replaced_at_its_plan_place(tmp_path):
+    """Node 1 of 3 is lost: the survivors shrink to places [0, 2] (node 2's worker is now rank 1 at
+    place 2).  Then node 2's worker is killed: its agent starts a replacement at rank 1 with
+    HPCT_PLAN_PLACES=0,2, so it listens at place 2's address where rank 0 looks for it."""
+    with three_nodes(tmp_path, 1, ["--steps", "60", "--step-time", "0.03"]) as (agents, out):
+        wait_progress(agents, out, 0, 5)
+        first = {n: agents.worker_pid(n, n) for n in (0, 2)}
+        agents.procs[1].kill()                       # node 1 goes: its agent, then its worker
+        os.kill(agents.worker_pid(1, 1), signal.SIGKILL)
+        agents.wait_event(2, "view", 30, where=lambda e: e["nodes"] == [0, 2])
+        target, end = progress(out, 0) + 3, time.monotonic() + 60    # the shrunk world trains
+        while progress(out, 0) < target:
+            assert time.monotonic() < end and agents.procs[0].poll() is None, agents.output(0)[-3000:]
+            time.sleep(0.05)
+        os.kill(first[2], signal.SIGKILL)
+        codes = [agents.procs[n].wait(timeout=LIMIT_S) for n in (0, 2)]
+        assert codes == [0, 0], agents.output(0) + agents.output(2)
+    recs = records(out)
+    final = {r["rank"]: r for r in recs if r["pid"] != first.get(1)}
+    assert sorted(final) == [0, 1], recs
+    assert final[0]["pid"] == first[0], "node 0's worker restarted"
+    assert final[1]["pid"] != first[2] and final[1]["generation"] >= 2, final[1]
+    assert final[0]["digest"] == final[1]["digest"]
+    replaced = [e for e in agents.events(2, "start") if e["generation"] > 0]
+    assert len(replaced) == 1 and replaced[0]["rank"] == 1, agents.output(2)

@@ -104,6 +104,17 @@ def plan_rank(global_rank: int) -> int:
     return global_rank if plan is None else plan[global_rank]
 
 
+def _start_places(cfg: Config, world_size: int) -> list[int] | None:
+    """HPCT_PLAN_PLACES for the first world of a process only (a replacement that ``hpct run``
+    starts into a shrunk world); later worlds get their places from recover()."""
+    if cfg.plan_places is None or _state.formed is not None:
+        return None
+    if len(cfg.plan_places) != world_size:
+        raise ConfigError(f"HPCT_PLAN_PLACES lists {len(cfg.plan_places)} places, but WORLD_SIZE is {world_size}",
+                          fix="list one plan place per global rank, or unset HPCT_PLAN_PLACES")
+    return list(cfg.plan_places)
+
+
 def connect_context(cfg: Config, *, name: str, group_rank: int, generation: int, peers: list,
                     global_rank: int, key: int, timeout: float, connect_timeout: float | None = None,
                     connect: bool = True, deadline_name: str = "HPCT_CONNECT_TIMEOUT", missing_fix: str = ""):
@@ -176,6 +187,11 @@ def _create(dist_opts, backend_options=None):
     # Key 0 is the world's: the group torch makes first (after a default-group shrink torch
     # numbers new groups from "0" again, and those are subgroups).
     is_world = index == 0 and name == "0" and not dist.is_initialized()
+    with _LOCK:
+        if is_world and _state.rank is None:       # torch's own init_process_group("hpct"), first world
+            places = _start_places(cfg, group_size)
+            if places is not None:
+                _state.plan_ranks = places
     key = slots.check_key(name, index, live_groups(), is_world, forced_key)
     # Only the NCCL block still holds a port per live group (a communicator's own listener).
     engines = device_engines()
@@ -287,6 +303,8 @@ def init_process_group(rank: int | None = None, world_size: int | None = None, *
     if rank is None or world_size is None:
         raise ConfigError("hpct.distributed.init_process_group needs the rank and the world size",
                           fix="pass rank= and world_size=, or set RANK and WORLD_SIZE (torchrun sets both)")
+    if plan_ranks is None:
+        plan_ranks = _start_places(cfg, world_size)
     if plan_ranks is not None and len(plan_ranks) != world_size:
         raise ConfigError(f"plan_ranks places {len(plan_ranks)} ranks in the port plan, but the world has "
                           f"{world_size}",

@@ -75,12 +75,11 @@ class NodeAgent(Membership):
         if place not in plan:
             raise JobEnd(1, f"place {place} is not in the world of generation {gen}")
         rank = plan.index(place)
-        if plan != list(range(len(plan))) and gen > 0:
-            raise JobEnd(1, f"rank {rank} (place {place}) was lost after the world shrank: starting a "
-                            "replacement into a shrunk world is not supported yet")
         env = dict(self.base_env, RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(len(plan)),
                    ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(len(plan)), HPCT_GENERATION=str(gen),
                    TORCHELASTIC_RESTART_COUNT=str(restarts))
+        if plan != list(range(len(plan))):     # a shrunk world: each survivor kept its address
+            env["HPCT_PLAN_PLACES"] = ",".join(map(str, plan))
         w = self.pool.start(place, local_rank, rank, gen, env, warm_ok=gen > 0)
         self.workers[local_rank] = w
         self.events.emit("start", f"rank {rank} pid {w.proc.pid} generation {gen}"
@@ -202,5 +201,5 @@ def _resolve(host: str) -> str:
 
 # Set per worker by the agent, or replaced by the agent's own host list.
 _PER_WORKER = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "N_PROC_PER_NODE",
-                         "HPCT_HOSTS", "HPCT_HOSTFILE", "HPCT_GENERATION"})
+                         "HPCT_HOSTS", "HPCT_HOSTFILE", "HPCT_GENERATION", "HPCT_PLAN_PLACES"})
 _CONFIG_NAMES = frozenset(v.name for v in VARIABLES)
