@@ -118,13 +118,18 @@ def _wait_progress(out: Path, rank: int, step: int, deadline: float, alive, what
         time.sleep(0.005)
 
 
-def _kill(out: Path, world: int, pid: int) -> tuple[float, dict[int, int]]:
-    """SIGKILL; returns the kill time (time.time(), taken right before os.kill) and every rank's
-    completed steps read just before."""
+def _kill(out: Path, world: int, pid: int, *others: int) -> tuple[float, dict[int, int]]:
+    """SIGKILL ``pid`` (and ``others`` that are still there); returns the kill time (time.time(),
+    taken right before os.kill) and every rank's completed steps read just before."""
     from launch_cluster import progress
     before = {r: progress(out, r) for r in range(world)}
     t_kill = time.time()
     os.kill(pid, signal.SIGKILL)
+    for other in others:
+        try:
+            os.kill(other, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     return t_kill, before
 
 
@@ -158,21 +163,6 @@ def analyse(out: Path, world: int, t_kill: float, before: dict[int, int], pids: 
 
 # ---- one run ---------------------------------------------------------------------------------
 
-def _kill_node(agents, node: int, out: Path, world: int) -> tuple[float, dict[int, int]]:
-    """SIGKILL a node's agent and every process under it at once (its workers, its standbys)."""
-    from launch_cluster import progress
-    agent = agents.procs[node].pid
-    victims = [agent, *_descendants([agent])]
-    before = {r: progress(out, r) for r in range(world)}
-    t_kill = time.time()
-    for pid in victims:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return t_kill, before
-
-
 def run_hpct(tmp: Path, nodes: int, nproc: int, standby: int, args, ns, tag: str, node_loss: bool = False) -> dict:
     from launch_cluster import Agents
     from hpct.ports import free_port_block
@@ -201,7 +191,8 @@ def run_hpct(tmp: Path, nodes: int, nproc: int, standby: int, args, ns, tag: str
             _wait_progress(out, victim, args.kill_step, deadline, alive, what)
             pids = {r: agents.worker_pid(r // nproc, r) for r in range(world)}
             if node_loss:
-                t_kill, before = _kill_node(agents, nodes - 1, out, world)
+                agent = agents.procs[nodes - 1].pid          # the node goes: its agent and all under it
+                t_kill, before = _kill(out, world, agent, *_descendants([agent]))
                 codes = [agents.procs[n].wait(timeout=max(1.0, deadline - time.monotonic()))
                          for n in range(nodes - 1)]
                 if codes != [0] * (nodes - 1):
@@ -219,14 +210,13 @@ def run_hpct(tmp: Path, nodes: int, nproc: int, standby: int, args, ns, tag: str
         res = analyse(out, alive, t_kill, {r: n for r, n in before.items() if r < alive},
                       {r: p for r, p in pids.items() if r < alive})
         from datetime import datetime
-        drops = [datetime.fromisoformat(e["time"]).timestamp() for n in range(nodes - 1)
-                 for e in agents.events(n, "node-lost")]
-        if not drops:
+        lost = [e for n in range(nodes - 1) for e in agents.events(n, "node-lost")]
+        if not lost:
             raise RuntimeError(f"{what}: the survivors' agents logged no node-lost event")
+        first = min(lost, key=lambda e: datetime.fromisoformat(e["time"]))
         res["node_grace_s"] = args.node_grace
-        res["dropped_s"] = round(min(drops) - t_kill, 4)
-        res["how"] = min((e for n in range(nodes - 1) for e in agents.events(n, "node-lost")),
-                         key=lambda e: e["time"])["message"]
+        res["dropped_s"] = round(datetime.fromisoformat(first["time"]).timestamp() - t_kill, 4)
+        res["how"] = first["message"]
         return res
     res = analyse(out, world, t_kill, before, pids)
     replacements = [e for n in range(nodes) for e in agents.events(n, "start") if e["generation"] > 0]

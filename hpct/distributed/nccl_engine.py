@@ -128,7 +128,7 @@ class NcclEngine(NcclOps):
         # NCCL holds (a lazy connect to a dead peer) is ended by the watchdog's abort.
         self.blocking_comm = blocking_comm
         self._launch_since: float | None = None   # when the launch in progress began
-        self._codes: dict = {}                    # (op, dtype) -> NCCL codes, computed once
+        self._codes: dict = {}                    # dtype, (op, dtype) -> NCCL codes, computed once
         self.runtime = runtime or CudaRuntime()
         self._lib = library
         self._load = load or nccl_find.load
@@ -290,20 +290,13 @@ class NcclEngine(NcclOps):
         spec = nccl_lib.RootlessSpec(self.listen_addr, nxt, self.job_key, self.generation, self.group_index,
                                      int(self.connect_timeout * 1000), self.retry_delay_ms)
         if self.blocking_comm:
-            comm = self._form_blocking(lib, spec, nxt)
-            with self._lock:
-                self._comm = comm
-                failed = self._failure
-            if failed is not None:
-                comm.abort()
-                raise failed
-            self._watchers.start()
-            return comm
-        try:
-            with self.runtime.on(self._device, self._stream):
-                comm = Communicator.create_rootless(lib, self.size, self.rank, spec)
-        except nccl_lib.NcclError as err:
-            raise self._err(NcclConnectError, "communicator creation", str(err)) from None
+            comm = self._form_blocking(lib, spec, nxt)     # formed: the settle below polls once
+        else:
+            try:
+                with self.runtime.on(self._device, self._stream):
+                    comm = Communicator.create_rootless(lib, self.size, self.rank, spec)
+            except nccl_lib.NcclError as err:
+                raise self._err(NcclConnectError, "communicator creation", str(err)) from None
         with self._lock:
             self._comm = comm          # visible to abort() before the wait below
             failed = self._failure

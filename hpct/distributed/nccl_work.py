@@ -197,7 +197,7 @@ class NcclWork(dist.Work):
                     self._raw.set_result((False, self._error))
                 elif self._event is None:
                     pass                  # not launched yet: the launch hands it to the completer
-                elif self._done or self._poll():
+                elif self._poll():           # ended (or captured: done at launch)
                     with self._runtime.on(self.device, self._stream):
                         self._raw.set_result((True, self._result))
                 else:
