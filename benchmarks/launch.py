@@ -12,6 +12,10 @@ launchers, in the same invocation, and the last rank is SIGKILLed once it has co
   last node's agent and workers are SIGKILLed together; the survivors' agents drop it after
   ``--node-grace`` seconds of silence and their workers shrink in-process.  Reported: the first
   step of the shrunk world after the kill, the grace it includes, and the time after the drop;
+* ``hpct run --spare-nodes 1``, a node lost (``--launchers hpct-spare``, N >= 3 active nodes and
+  one more namespace for the spare): the same kill; the spare's agent takes the lost node's slot
+  and its workers (from warm standbys it keeps) join the survivors' world at the same size and
+  ranks.  Reported as for ``hpct-node``: the first step of the repaired world after the kill;
 * ``torchrun --max-restarts 1`` (``python -m torch.distributed.run``) on stock Gloo: every worker
   is stopped and started again, and the script (no checkpoint) starts again at step 0.  It runs
   with torch's own ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with the agent-shared store (the
@@ -60,9 +64,10 @@ LAUNCHERS = {
     "hpct-standby": "hpct run --standby 1",
     "torchrun": "torchrun --max-restarts 1",
     "hpct-node": "hpct run, a node lost",
+    "hpct-spare": "hpct run --spare-nodes 1, a node lost",
 }
 DEFAULT_LAUNCHERS = "hpct,hpct-standby,torchrun"
-NODE_LOSS = "hpct-node"             # not a worker loss: no torchrun ratio (a static torchrun job ends)
+NODE_LOSS = ("hpct-node", "hpct-spare")  # not a worker loss: no torchrun ratio (a static torchrun job ends)
 GOAL = "with a standby, worker loss -> next step >= 10x faster than torchrun's restart and under 1 s"
 
 
@@ -163,7 +168,8 @@ def analyse(out: Path, world: int, t_kill: float, before: dict[int, int], pids: 
 
 # ---- one run ---------------------------------------------------------------------------------
 
-def run_hpct(tmp: Path, nodes: int, nproc: int, standby: int, args, ns, tag: str, node_loss: bool = False) -> dict:
+def run_hpct(tmp: Path, nodes: int, nproc: int, standby: int, args, ns, tag: str, node_loss: bool = False,
+             spares: int = 0) -> dict:
     from launch_cluster import Agents
     from hpct.ports import free_port_block
     world, victim = nodes * nproc, nodes * nproc - 1
@@ -173,29 +179,30 @@ def run_hpct(tmp: Path, nodes: int, nproc: int, standby: int, args, ns, tag: str
     out.mkdir()
     script = [str(EXAMPLE), "--steps", str(args.steps), "--step-time", str(args.step_time), "--out", str(out)]
     flags = ["--nnodes", str(nodes), "--nproc-per-node", str(nproc), "--standby", str(standby), "--rdzv-id", "bench",
-             "--node-grace", str(args.node_grace)]
+             "--node-grace", str(args.node_grace), "--spare-nodes", str(spares)]
     if ns:
-        flags += ["--hosts", ",".join(n.address for n in ns)]
+        flags += ["--hosts", ",".join(n.address for n in ns[:nodes + spares])]
     else:
         flags += ["--port-base", str(free_port_block(2 * 8 * nproc + 2))]
     env = {"OMP_NUM_THREADS": "1", TAG_VAR: tag, "HPCT_CONNECT_TIMEOUT": str(int(args.timeout))}
     deadline = time.monotonic() + args.timeout
     what = f"hpct{' --standby ' + str(standby) if standby else ''} {nodes}x{nproc}"
-    with Agents(tmp, [*flags, *script], nodes=nodes, namespaces=ns, env=env) as agents:
+    with Agents(tmp, [*flags, *script], nodes=nodes + spares, namespaces=ns, env=env) as agents:
         try:
             agents.start()
             alive = lambda: all(p.poll() is None for p in agents.procs)   # noqa: E731
-            if standby:
-                for n in range(nodes):
-                    agents.wait_event(n, "standby", max(1.0, deadline - time.monotonic()))
+            for n in range(nodes + spares) if standby or spares else ():
+                if standby or n >= nodes:        # a spare keeps one standby per local rank
+                    agents.wait_event(n, "standby", max(1.0, deadline - time.monotonic()),
+                                      count=nproc if n >= nodes else 1)
             _wait_progress(out, victim, args.kill_step, deadline, alive, what)
             pids = {r: agents.worker_pid(r // nproc, r) for r in range(world)}
             if node_loss:
                 agent = agents.procs[nodes - 1].pid          # the node goes: its agent and all under it
                 t_kill, before = _kill(out, world, agent, *_descendants([agent]))
                 codes = [agents.procs[n].wait(timeout=max(1.0, deadline - time.monotonic()))
-                         for n in range(nodes - 1)]
-                if codes != [0] * (nodes - 1):
+                         for n in range(nodes + spares) if n != nodes - 1]
+                if codes != [0] * (nodes + spares - 1):
                     raise RuntimeError(f"{what}, node {nodes - 1} lost: the survivors' agents exited {codes}")
             else:
                 t_kill, before = _kill(out, world, pids[victim])
@@ -206,7 +213,8 @@ def run_hpct(tmp: Path, nodes: int, nproc: int, standby: int, args, ns, tag: str
             tails = "\n".join(agents.output(n)[-1500:] for n in range(nodes) if agents.err_path(n).exists())
             raise RuntimeError(f"{err}\n{tails}") from None
     if node_loss:
-        alive = (nodes - 1) * nproc                 # the survivors keep their ranks; the lost node's go
+        # The survivors keep their ranks; the lost node's go, or move to the spare (same world).
+        alive = world if spares else (nodes - 1) * nproc
         res = analyse(out, alive, t_kill, {r: n for r, n in before.items() if r < alive},
                       {r: p for r, p in pids.items() if r < alive})
         from datetime import datetime
@@ -217,6 +225,9 @@ def run_hpct(tmp: Path, nodes: int, nproc: int, standby: int, args, ns, tag: str
         res["node_grace_s"] = args.node_grace
         res["dropped_s"] = round(datetime.fromisoformat(first["time"]).timestamp() - t_kill, 4)
         res["how"] = first["message"]
+        if spares:
+            taken = agents.events(nodes, "start")
+            res["spare_warm"] = [bool(e.get("warm")) for e in taken]
         return res
     res = analyse(out, world, t_kill, before, pids)
     replacements = [e for n in range(nodes) for e in agents.events(n, "start") if e["generation"] > 0]
@@ -298,8 +309,9 @@ def run_once(launcher: str, nodes: int, nproc: int, args, ns) -> dict:
     try:
         if launcher == "torchrun":
             run.update(run_torchrun(tmp, nodes, nproc, args, ns, tag))
-        elif launcher == NODE_LOSS:
-            run.update(run_hpct(tmp, nodes, nproc, 0, args, ns, tag, node_loss=True))
+        elif launcher in NODE_LOSS:
+            run.update(run_hpct(tmp, nodes, nproc, 0, args, ns, tag, node_loss=True,
+                                spares=int(launcher == "hpct-spare")))
         else:
             run.update(run_hpct(tmp, nodes, nproc, int(launcher == "hpct-standby"), args, ns, tag))
     except (TimeoutError, RuntimeError, OSError, KeyError, ValueError) as err:
@@ -348,7 +360,7 @@ def render(configs: list[dict], args) -> str:
                          num(s["steps_lost"], "g"), num(s["restarted"], "d"),
                          "-" if ratio is None else f"{ratio:.1f}x", f"{s['completed']}/{args.repeat}"])
         warm = c["median"].get("hpct-standby", {}).get("recovery_s")
-        if set(c["median"]) <= {NODE_LOSS}:
+        if set(c["median"]) <= set(NODE_LOSS):
             continue                          # the goal is a worker loss's; a node loss has none
         if warm is None or stock is None:
             goals.append(f"  {c['config']}: not measured (needs hpct-standby and torchrun runs that completed)")
@@ -364,10 +376,11 @@ def render(configs: list[dict], args) -> str:
             "pytorch/pytorch#135712)")
     for c in configs:
         for r in c["runs"]:
-            if r["launcher"] == NODE_LOSS and r.get("error") is None:
-                note += (f"\n{c['config']}, a node lost (--node-grace {r['node_grace_s']:g}): the last node's agent and "
-                         f"workers SIGKILLed; the survivors' agents dropped it {r['dropped_s']:.3f} s after the kill "
-                         f"({r['how']}); the shrunk world's first step {r['recovery_s']:.3f} s after the kill "
+            if r["launcher"] in NODE_LOSS and r.get("error") is None:
+                world = "the spare's repaired world" if r["launcher"] == "hpct-spare" else "the shrunk world"
+                note += (f"\n{c['config']}, {LAUNCHERS[r['launcher']]} (--node-grace {r['node_grace_s']:g}): the last "
+                         f"node's agent and workers SIGKILLed; the survivors' agents dropped it {r['dropped_s']:.3f} s "
+                         f"after the kill ({r['how']}); {world}'s first step {r['recovery_s']:.3f} s after the kill "
                          f"({r['recovery_s'] - r['dropped_s']:.3f} s after the drop)")
     return "\n".join([title, "", table(head, rows), "", note, "", f"goal: {GOAL}", *goals])
 
@@ -427,12 +440,13 @@ def main(argv=None) -> int:
                 runs = [{"launcher": x, "config": name, "error": why} for x in launchers]
                 print(f"  {name}: {why}", file=sys.stderr)
             else:
-                with netns_network(nodes, name_prefix="hpct-blaunch", subnet=SUBNET) as ns:
+                spare = int("hpct-spare" in launchers)   # one more namespace, for the spare node
+                with netns_network(nodes + spare, name_prefix="hpct-blaunch", subnet=SUBNET) as ns:
                     for launcher in launchers:
                         runs += [run_once(launcher, nodes, nproc, args, ns) for _ in range(args.repeat)]
         median = {x: summarise([r for r in runs if r["launcher"] == x]) for x in launchers}
         stock = median.get("torchrun", {}).get("recovery_s")
-        ratio = {x: (round(stock / s["recovery_s"], 2) if stock and s["recovery_s"] and x != NODE_LOSS else None)
+        ratio = {x: (round(stock / s["recovery_s"], 2) if stock and s["recovery_s"] and x not in NODE_LOSS else None)
                  for x, s in median.items()}
         results.append({"config": name, "nodes": nodes, "workers_per_node": nproc, "runs": runs,
                         "median": median, "ratio": ratio})

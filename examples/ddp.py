@@ -7,6 +7,9 @@ It is a torchrun script plus the recovery pattern of docs/launch.md: when a step
 was lost), abort, ``hd.recover()`` (the node's agent says the new world), take the state from a
 member that kept it, rebuild DDP, and do the failed step again.  A replacement (started by the
 agent with HPCT_GENERATION above 0) joins and receives the state instead of initialising it.
+At step boundaries ``hd.membership_changed()`` says whether the agents grew the world (a spare
+node, or a node that came back after a shrink); every member then calls ``hd.grow()`` and the
+newcomers take the state the same way.
 Each step's batch is a function of (rank, step), so a run with faults ends with exactly the
 parameters of a run without: ``--out DIR`` writes each process's record and the final digest.
 """
@@ -57,10 +60,11 @@ def main() -> int:
     ap.add_argument("--step-time", type=float, default=0.0, help="seconds of simulated compute per step")
     ap.add_argument("--out", default=None, help="folder for each process's record")
     ap.add_argument("--backend", default="hpct", help="hpct, or gloo for the stock reference run")
+    ap.add_argument("--check-every", type=int, default=1, help="steps between membership_changed() checks")
     args = ap.parse_args()
     rank, t_start = int(os.environ["RANK"]), time.time()
     record = {"rank": rank, "pid": os.getpid(), "generation": int(os.environ.get("HPCT_GENERATION") or 0),
-              "steps": [], "recoveries": []}
+              "steps": [], "recoveries": [], "grows": []}
     if args.backend == "hpct":
         hd.init_process_group()
     else:
@@ -68,12 +72,19 @@ def main() -> int:
     model, opt = build()
     # A replacement holds no state until it joins; everyone else starts equal (same seed).
     healthy, step, net = record["generation"] == 0, 0, None
+    must_join = not healthy
     while step < args.steps:
         try:
-            if net is None:         # (re)join: after a recovery, or a replacement's first world
-                if not (healthy and not record["recoveries"] and record["generation"] == 0):
+            if net is not None and args.backend == "hpct" and step % args.check_every == 0 \
+                    and hd.membership_changed():
+                hd.grow()           # a step boundary: the agents took a node in
+                net, must_join = None, True
+                record["grows"].append({"at_step": step, "world_size": dist.get_world_size(),
+                                        "time": time.time()})
+            if net is None:         # (re)join: after a recovery or a grow, or a newcomer's first world
+                if must_join:
                     step = join(model, opt, step, healthy)
-                healthy, net = True, ddp(model)
+                healthy, must_join, net = True, False, ddp(model)
             x, y = batch(dist.get_rank(), step)
             opt.zero_grad(set_to_none=True)
             nn.functional.mse_loss(net(x), y).backward()     # the gradient all_reduce
@@ -83,7 +94,7 @@ def main() -> int:
             t0 = time.time()        # a peer was lost: nobody stepped; recover and redo the step
             hd.abort_all()
             hd.recover()            # asks this node's agent for the new world
-            net = None
+            net, must_join = None, True
             record["recoveries"].append({"at_step": step, "seconds": time.time() - t0,
                                          "generation": hd.generation(), "time": time.time()})
             continue

@@ -26,36 +26,51 @@ class Agents:
         self.node_args = node_args or [[] for _ in range(nodes)]
         self.env = {**os.environ, **(env or {})}
         self.procs: list[subprocess.Popen] = []
+        self.lives = [0] * nodes         # agents started per node: a restarted agent logs anew
 
-    def json_path(self, node: int) -> Path:
-        return self.tmp / f"events-{node}.jsonl"
+    def json_path(self, node: int, life: int = 0) -> Path:
+        return self.tmp / f"events-{node}{f'-{life}' if life else ''}.jsonl"
 
-    def err_path(self, node: int) -> Path:
-        return self.tmp / f"agent-{node}.err"
+    def err_path(self, node: int, life: int = 0) -> Path:
+        return self.tmp / f"agent-{node}{f'-{life}' if life else ''}.err"
 
     def start(self) -> "Agents":
         for n in range(self.nodes):
-            argv = [sys.executable, "-c", RUN, "run", "--json", str(self.json_path(n)),
-                    "--log-dir", str(self.tmp / "logs"), *self.node_args[n], *self.args]
-            err = open(self.err_path(n), "w")
-            if self.namespaces:
-                p = self.namespaces[n].popen(argv, env=self.env, stdout=err, stderr=subprocess.STDOUT,
-                                             cwd=str(self.tmp))
-            else:
-                p = subprocess.Popen(argv, env=self.env, stdout=err, stderr=subprocess.STDOUT, cwd=str(self.tmp))
-            err.close()
-            self.procs.append(p)
+            self.procs.append(self._spawn(n))
         return self
 
+    def restart(self, node: int) -> subprocess.Popen:
+        """Start node ``node``'s agent again (its first one is gone), as a node that comes back."""
+        self.lives[node] += 1
+        self.procs[node] = self._spawn(node)
+        return self.procs[node]
+
+    def _spawn(self, n: int) -> subprocess.Popen:
+        life = self.lives[n]
+        argv = [sys.executable, "-c", RUN, "run", "--json", str(self.json_path(n, life)),
+                "--log-dir", str(self.tmp / "logs"), *self.node_args[n], *self.args]
+        err = open(self.err_path(n, life), "w")
+        if self.namespaces:
+            p = self.namespaces[n].popen(argv, env=self.env, stdout=err, stderr=subprocess.STDOUT,
+                                         cwd=str(self.tmp))
+        else:
+            p = subprocess.Popen(argv, env=self.env, stdout=err, stderr=subprocess.STDOUT, cwd=str(self.tmp))
+        err.close()
+        return p
+
     def events(self, node: int, kind: str | None = None) -> list[dict]:
-        try:
-            lines = self.json_path(node).read_text().splitlines()
-        except FileNotFoundError:
-            return []
-        return [d for d in parse_lines(lines) if kind is None or d["event"] == kind]
+        docs = []
+        for life in range(self.lives[node] + 1):
+            try:
+                lines = self.json_path(node, life).read_text().splitlines()
+            except FileNotFoundError:
+                continue
+            docs += [d for d in parse_lines(lines) if kind is None or d["event"] == kind]
+        return docs
 
     def output(self, node: int) -> str:
-        return self.err_path(node).read_text()
+        return "".join(self.err_path(node, life).read_text() for life in range(self.lives[node] + 1)
+                       if self.err_path(node, life).exists())
 
     def wait_event(self, node: int, kind: str, timeout: float, count: int = 1, where=None) -> list[dict]:
         end = time.monotonic() + timeout

@@ -119,17 +119,23 @@ def test_launch_replaces_one_worker_in_place_where_torchrun_restarts_all(tmp_pat
 
 
 @pytest.mark.slow
-def test_launch_node_loss_shrinks_the_survivors_in_place(tmp_path):
+def test_launch_node_loss_shrinks_the_survivors_in_place_or_a_spare_takes_the_slot(tmp_path):
     from netns import unavailable_reason
     if (why := unavailable_reason()) is not None:
         pytest.skip(why)
     out = tmp_path / "launch.json"
-    text = _run("launch.py", "--config", "3x1", "--kill-step", "3", "--steps", "8", "--launchers", "hpct-node",
-                "--json", str(out))
-    [run] = json.loads(out.read_text())["configs"][0]["runs"]
-    assert run["error"] is None, run
-    assert run["restarted"] == [] and run["steps_lost"] == 0, run        # the survivors kept their processes
-    assert 0 < run["dropped_s"] <= run["recovery_s"], run
-    assert "node 2 " in run["how"], run
-    assert re.search(r"^3x1, a node lost \(--node-grace 1\): .* dropped it [0-9.]+ s after the kill", text,
+    text = _run("launch.py", "--config", "3x1", "--kill-step", "3", "--steps", "8",
+                "--launchers", "hpct-node,hpct-spare", "--json", str(out))
+    shrink, spare = json.loads(out.read_text())["configs"][0]["runs"]
+    for run in (shrink, spare):
+        assert run["error"] is None, run
+        assert run["steps_lost"] == 0 and 0 < run["dropped_s"] <= run["recovery_s"], run
+        assert "node 2 " in run["how"], run
+    assert shrink["restarted"] == [], shrink        # the survivors kept their processes
+    # The spare's worker holds the lost rank 2 (a new process, from a warm standby); the survivors kept theirs.
+    assert spare["restarted"] == [2] and spare["spare_warm"] == [True], spare
+    assert "node 3 takes its slot" in spare["how"], spare
+    assert re.search(r"^3x1, hpct run, a node lost \(--node-grace 1\): .* dropped it [0-9.]+ s after the kill", text,
+                     re.MULTILINE), text
+    assert re.search(r"^3x1, hpct run --spare-nodes 1, a node lost .* the spare's repaired world's first step", text,
                      re.MULTILINE), text

@@ -322,3 +322,7 @@ def test_check_hosts():
     err = refused(check_hosts, NodeSource(("a",), 0, None, "host file /x"), 4)
     assert err.problem == "host file /x names 1 host(s) but --nnodes is 4" and "--nnodes 1" in err.fix
     assert refused(check_hosts, (), 1).problem == "the host list names 0 host(s) but --nnodes is 1"
+    err = refused(check_hosts, ["a", "b", "c"], 3, "--hosts", 1)
+    assert err.problem == "--hosts names 3 host(s) but --nnodes 3 plus --spare-nodes 1"
+    assert err.fix == "pass --nnodes 2, or a host list of 4 nodes (the active nodes first, then the spares)"
+    assert check_hosts(["a", "b", "c"], 2, "--hosts", 1) == ("a", "b", "c")

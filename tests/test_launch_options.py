@@ -71,3 +71,21 @@ def test_hpcts_own_host_variables_read_as_everywhere_else_in_hpct(tmp_path):
         options(["--node-rank", "0", str(script)], {"HPCT_HOSTFILE": str(hostfile), "HPCT_HOSTS": "10.0.0.1"})
     with pytest.raises(ConfigError, match="host 10.0.0.1 listed twice"):
         options(["--node-rank", "0", str(script)], {"HPCT_HOSTS": "10.0.0.1,10.0.0.1"})
+
+
+def test_spare_nodes_follow_the_active_ones_in_the_host_list(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    env = {"SLURM_JOB_NODELIST": "gpu[001-004]", "SLURM_NODEID": "3", "SLURM_JOB_ID": "7"}
+    o = options(["--spare-nodes", "1", str(script)], env)
+    assert (o.nnodes, o.spare_nodes, o.all_nodes, o.node_rank) == (3, 1, 4, 3), "node 3 is the spare"
+    assert o.world_size == 3, "spares hold no rank until they take a slot"
+    assert options(["--nnodes", "3", "--spare-nodes", "1", str(script)], env).nnodes == 3
+    with pytest.raises(LaunchError, match=r"names 4 host\(s\) but --nnodes 4 plus --spare-nodes 1"):
+        options(["--nnodes", "4", "--spare-nodes", "1", str(script)], env)
+    with pytest.raises(LaunchError, match="--spare-nodes 4 leaves no active node of the 4 listed"):
+        options(["--spare-nodes", "4", str(script)], env)
+    with pytest.raises(LaunchError, match="--spare-nodes -1 is negative"):
+        options(["--spare-nodes", "-1", str(script)], env)
+    with pytest.raises(LaunchError, match="--node-rank 4 is not below --nnodes 3 plus --spare-nodes 1"):
+        options(["--node-rank", "4", "--spare-nodes", "1", str(script)], env)

@@ -116,18 +116,29 @@ def test_two_nodes_replace_a_killed_worker(tmp_path):
 
 
 @contextlib.contextmanager
-def three_nodes(tmp_path: Path, grace: float, script: list[str]):
-    """Three agents in network namespaces, one worker each, running examples/ddp.py into tmp_path/out."""
+def three_nodes(tmp_path: Path, grace: float, script: list[str], spares: int = 0):
+    """Three agents (and ``spares`` spare nodes' agents) in network namespaces, one worker each,
+    running examples/ddp.py into tmp_path/out."""
     if (why := unavailable_reason()) is not None:
         pytest.skip(why)
     out = tmp_path / "out"
     out.mkdir()
-    with netns_network(3, name_prefix="hpct-run", subnet="10.236.0") as ns:
-        args = ["--nnodes", "3", "--nproc-per-node", "1", "--hosts", ",".join(n.address for n in ns),
-                "--node-grace", str(grace), EXAMPLE, *script, "--out", str(out)]
-        with Agents(tmp_path, args, nodes=3, namespaces=ns, env={"HPCT_CONNECT_TIMEOUT": "30"}) as agents:
+    with netns_network(3 + spares, name_prefix="hpct-run", subnet="10.236.0") as ns:
+        args = ["--nnodes", "3", "--spare-nodes", str(spares), "--nproc-per-node", "1",
+                "--hosts", ",".join(n.address for n in ns), "--node-grace", str(grace),
+                EXAMPLE, *script, "--out", str(out)]
+        with Agents(tmp_path, args, nodes=3 + spares, namespaces=ns,
+                    env={"HPCT_CONNECT_TIMEOUT": "30"}) as agents:
             agents.start()
             yield agents, out
+
+
+def lose_node(agents: Agents, node: int) -> None:
+    """The node goes: its agent, then its worker."""
+    pid = agents.worker_pid(node, node)
+    agents.procs[node].kill()
+    agents.procs[node].wait(timeout=10)
+    os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.multihost
@@ -135,8 +146,7 @@ def three_nodes(tmp_path: Path, grace: float, script: list[str]):
 def test_a_lost_node_is_dropped_and_the_survivors_shrink(tmp_path):
     with three_nodes(tmp_path, 2, STEPS) as (agents, out):
         wait_progress(agents, out, 2, 10)
-        agents.procs[2].kill()                       # the node goes: its agent, then its worker
-        os.kill(agents.worker_pid(2, 2), signal.SIGKILL)
+        lose_node(agents, 2)
         codes = [agents.procs[n].wait(timeout=LIMIT_S) for n in (0, 1)]
         assert codes == [0, 0], agents.output(0) + agents.output(1)
     survivors = [r for r in records(out)]
@@ -159,8 +169,7 @@ def test_a_worker_lost_after_a_shrink_is_replaced_at_its_plan_place(tmp_path):
     with three_nodes(tmp_path, 1, ["--steps", "60", "--step-time", "0.03"]) as (agents, out):
         wait_progress(agents, out, 0, 5)
         first = {n: agents.worker_pid(n, n) for n in (0, 2)}
-        agents.procs[1].kill()                       # node 1 goes: its agent, then its worker
-        os.kill(agents.worker_pid(1, 1), signal.SIGKILL)
+        lose_node(agents, 1)
         agents.wait_event(2, "view", 30, where=lambda e: e["nodes"] == [0, 2])
         target, end = progress(out, 0) + 3, time.monotonic() + 60    # the shrunk world trains
         while progress(out, 0) < target:
@@ -177,3 +186,51 @@ def test_a_worker_lost_after_a_shrink_is_replaced_at_its_plan_place(tmp_path):
     assert final[0]["digest"] == final[1]["digest"]
     replaced = [e for e in agents.events(2, "start") if e["generation"] > 0]
     assert len(replaced) == 1 and replaced[0]["rank"] == 1, agents.output(2)
+
+
+@pytest.mark.multihost
+@pytest.mark.slow
+def test_a_spare_node_takes_a_lost_nodes_ranks_and_the_run_is_bit_identical(tmp_path):
+    """Node 1 of 3 is lost; the spare (node 3) takes its slot: the world keeps 3 ranks, the
+    spare's worker is rank 1 at place 3 and receives the state, and the parameters equal a
+    fault-free stock run of 3 ranks."""
+    expect = stock_digest(tmp_path, 3)
+    with three_nodes(tmp_path, 1, STEPS, spares=1) as (agents, out):
+        agents.wait_event(3, "idle", 60)
+        wait_progress(agents, out, 0, 10)
+        first = {n: agents.worker_pid(n, n) for n in (0, 2)}
+        lose_node(agents, 1)
+        codes = [agents.procs[n].wait(timeout=LIMIT_S) for n in (0, 2, 3)]
+        assert codes == [0, 0, 0], agents.output(0) + agents.output(3)
+    final = {r["rank"]: r for r in records(out) if r["pid"] not in (first.get(1),)}
+    assert sorted(final) == [0, 1, 2], final
+    assert [final[0]["pid"], final[2]["pid"]] == [first[0], first[2]], "a survivor restarted"
+    assert final[1]["generation"] >= 1 and final[1]["pid"] == agents.worker_pid(3, 1)
+    assert {r["digest"] for r in final.values()} == {expect}
+    for n in (0, 2, 3):
+        assert agents.events(n, "view")[-1]["nodes"] == [0, 3, 2], agents.output(n)
+    assert agents.events(3, "admitted"), agents.output(3)
+
+
+@pytest.mark.multihost
+@pytest.mark.slow
+def test_a_node_that_comes_back_joins_by_grow(tmp_path):
+    """Node 2 of 3 is lost and the survivors shrink to 2 ranks; its agent, started again, is
+    idle and the view takes it back: the members call hd.grow() at a step boundary
+    (membership_changed()), the node's new worker joins as rank 2 and receives the state."""
+    with three_nodes(tmp_path, 1, ["--steps", "80", "--step-time", "0.03"]) as (agents, out):
+        wait_progress(agents, out, 0, 5)
+        first = {n: agents.worker_pid(n, n) for n in (0, 1)}
+        lose_node(agents, 2)
+        agents.wait_event(0, "view", 30, where=lambda e: e["nodes"] == [0, 1])
+        agents.restart(2)
+        agents.wait_event(0, "view", 60, where=lambda e: e["nodes"] == [0, 1, 2])
+        codes = [agents.procs[n].wait(timeout=LIMIT_S) for n in (0, 1, 2)]
+        assert codes == [0, 0, 0], agents.output(0) + agents.output(2)
+    recs = records(out)
+    final = {r["rank"]: r for r in recs if r["pid"] in first.values() or r["generation"] > 0}
+    assert sorted(final) == [0, 1, 2], recs
+    assert [final[0]["pid"], final[1]["pid"]] == [first[0], first[1]], "a member restarted"
+    assert all(final[r]["grows"] and final[r]["grows"][-1]["world_size"] == 3 for r in (0, 1)), final
+    assert len({r["digest"] for r in final.values()}) == 1
+    assert agents.events(2, "idle") and agents.events(2, "admitted"), agents.output(2)

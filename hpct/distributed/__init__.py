@@ -28,7 +28,7 @@ from . import elastic, reconfigure
 from .group import BACKEND_NAME, HpctProcessGroup
 from .slots import PlaceholderStore
 from .work import HpctWork
-from .admission import grow
+from .admission import grow, membership_changed
 from .elastic import shrink
 from .parity import ParityReport, sync_state
 from .profile_comm import CommProfile, profile_comm
@@ -42,5 +42,5 @@ reconfigure.install()
 
 __all__ = ["BACKEND_NAME", "CollectiveError", "CommProfile", "HpctArgumentError", "HpctError", "HpctProcessGroup", "HpctWork",
            "ParityError", "ParityReport", "PlaceholderStore", "abort_all", "broadcast_object", "broadcast_state", "generation", "grow",
-           "healthy_source", "init_process_group", "last_connect_seconds", "live_groups",
+           "healthy_source", "init_process_group", "last_connect_seconds", "live_groups", "membership_changed",
            "monitored_barrier", "profile_comm", "recover", "shrink", "shutdown_all", "sync_state"]

@@ -18,16 +18,28 @@ Where joiners live: new rank r sits at place ``plan_ranks[r]`` of the port plan 
 the highest one in use, so a world that never shrank places rank r at r.  The host list may grow
 with the job: pass ``hosts=`` (or rewrite HPCT_HOSTFILE, which grow re-reads).  A joiner of a
 shrunk world must be given the same ``plan_ranks`` (``hd.init_process_group(plan_ranks=...)``).
+
+Under ``hpct run`` the agents decide the grow (a spare, or a node that came back, fills a
+world smaller than ``--nnodes``) and start the joiners; the members see it with
+``membership_changed()``, a collective they call at step boundaries, and ``grow()`` without a
+size then takes the agents' world::
+
+    if hd.membership_changed():      # every member, same step
+        hd.grow()
+        ...re-synchronise the state as above...
 """
 
 from __future__ import annotations
 
 import os
 
+import torch
+import torch.distributed as dist
+
 from ..config import Config
-from ..errors import ConfigError, HpctArgumentError, PortPlanError
+from ..errors import ConfigError, HpctArgumentError, PortPlanError, RendezvousError
 from ..ports import host_of
-from . import world
+from . import agent_link, world
 
 
 def _config(hosts) -> Config:
@@ -54,12 +66,43 @@ def plan_for(world_size: int, current: list[int], plan_ranks=None) -> list[int]:
     return plan
 
 
-def grow(world_size: int, *, hosts: list[str] | None = None, plan_ranks: list[int] | None = None):
-    """Every member calls this at the same step boundary; returns the new world group."""
+def membership_changed() -> bool:
+    """Whether the job's ``hpct run`` agents hold a world other than this one (a grow).
+
+    A collective over the world: every member calls it at the same step boundary and gets the
+    same answer.  False at once (no collective) when this process was not started by ``hpct run``.
+    """
+    cfg = world._config()
+    rank, size, _, plan = world.membership()
+    if cfg.agent_port is None or rank is None:
+        return False
+    try:
+        newest = agent_link.peek(cfg, world.plan_rank(rank))["plan_ranks"]
+    except RendezvousError:
+        newest = None           # this node left the view: the members' new world goes on without it
+    flag = torch.tensor([int(newest != (list(plan) if plan is not None else list(range(size))))])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def grow(world_size: int | None = None, *, hosts: list[str] | None = None, plan_ranks: list[int] | None = None):
+    """Every member calls this at the same step boundary; returns the new world group.
+
+    Without arguments under ``hpct run``: the world the agents grew to (``membership_changed()``).
+    """
     rank, size, timeout, plan = world.membership()
     if rank is None or size is None:
         raise ConfigError("grow() needs a running world: call init_process_group first",
                           fix="start the job with hd.init_process_group() before growing it")
+    cfg = world._config()
+    if (world_size, hosts, plan_ranks) == (None, None, None) and cfg.agent_port is not None:
+        formed = world.generation()
+        new = agent_link.new_world(cfg, world.plan_rank(rank), formed)
+        world.shutdown_all()      # a step boundary: every group is idle and closes gracefully
+        identity = new["plan_ranks"] == list(range(new["world_size"]))
+        return world.init_process_group(new["rank"], new["world_size"], timeout=timeout, config=cfg,
+                                        generation=max(new["generation"], world.next_generation()),
+                                        plan_ranks=None if identity else new["plan_ranks"])
     if not isinstance(world_size, int) or world_size <= size:
         raise HpctArgumentError(f"grow: world_size={world_size!r} must be an integer above the current "
                                 f"world size {size}, nothing changed",

@@ -3,7 +3,9 @@
 The agent is at this worker's own node's address in the host list.  ``new_world`` is what
 ``recover()`` asks after a failure: the generation to re-form in, the world size, this
 worker's rank and every rank's plan place (the agent replaced a lost worker, or dropped a lost
-node).  ``report_joined`` tells the agent that this worker's world formed, so a later non-zero
+node).  ``peek`` is the same question without waiting or moving anything: the world of the
+agent's newest generation (``membership_changed()`` asks it at step boundaries, to see a
+grow).  ``report_joined`` tells the agent that this worker's world formed, so a later non-zero
 exit counts against ``--max-restarts`` instead of ending the job as a worker that cannot start.
 """
 
@@ -23,16 +25,24 @@ def _address(cfg: Config, place: int) -> tuple[str, int]:
 
 def new_world(cfg: Config, place: int, formed: int) -> dict:
     """{generation, world_size, rank, plan_ranks} after the world formed in ``formed`` failed."""
+    return _ask(cfg, place, {"op": "world", "place": place, "formed": formed, "pid": os.getpid()}, "recover()")
+
+
+def peek(cfg: Config, place: int) -> dict:
+    """{generation, world_size, rank, plan_ranks} of the agent's newest view, at once."""
+    return _ask(cfg, place, {"op": "peek", "place": place}, "membership_changed()")
+
+
+def _ask(cfg: Config, place: int, request: dict, who: str) -> dict:
     host, port = _address(cfg, place)
     try:
-        reply = wire.ask(host, port, {"op": "world", "place": place, "formed": formed, "pid": os.getpid()},
-                         cfg.connect_timeout)
+        reply = wire.ask(host, port, request, cfg.connect_timeout)
     except wire.WireError as err:
-        raise RendezvousError(f"recover(): this node's hpct run agent did not answer: {err}",
+        raise RendezvousError(f"{who}: this node's hpct run agent did not answer: {err}",
                               fix="check that the agent is alive (its event log); HPCT_AGENT_PORT must be "
                                   "the port it listens on") from None
     if "error" in reply:
-        raise RendezvousError(f"recover(): the agent at {host}:{port} refused: {reply['error']}",
+        raise RendezvousError(f"{who}: the agent at {host}:{port} refused: {reply['error']}",
                               fix="this worker is not in the job's new world: exit, the agent decides")
     return reply
 

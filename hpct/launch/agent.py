@@ -6,6 +6,11 @@ by a signal) moves the job's view one generation on and its replacement starts i
 generation with the same rank; the survivors ask the agent and re-form in it.  A worker's own
 failure (a non-zero exit after its world formed) is retried ``--max-restarts`` times for that
 rank; one that never formed a world at the first start ends the job at once.
+
+A node outside the view (a spare, or a node that was dropped and whose agent came back) is
+idle: it keeps ``nproc_per_node`` warm standbys and starts its workers, at the view's
+generation, when the view takes it in.  A node that finds itself dropped while alive stops its
+workers and becomes idle, so the members can take it back.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ class NodeAgent(Membership):
         self.cond = threading.Condition()
         self.generation, self.nodes = 0, list(range(opts.nnodes))
         self.finished: set[int] = set()
+        self.gone: dict[int, float] = {}         # node -> when this agent dropped it
+        self.active = False                      # this node's workers hold its slot
         self.seen = {n: time.monotonic() for n in self.nodes}
         self.leaving: dict[int, float] = {}
         self.workers: dict[int, Worker] = {}
@@ -108,9 +115,14 @@ class NodeAgent(Membership):
                 self.events.emit("unused", f"{flag} is not used: agents find each other from the host list "
                                  "and the port plan", flag=flag)
             self._greet()
+            with self.cond:
+                if self.node in self.nodes and self.generation > 0:
+                    # This node's agent restarted before the others dropped it: its slot is
+                    # empty, so its workers start again as replacements, one generation on.
+                    self._move(self.generation + 1, self.nodes, f"node {self.node}'s agent came back")
+            if self.node not in self.nodes:
+                self._idle_wait()
             self.pool.fill()
-            for local in range(o.nproc_per_node):
-                self._start(local)
             threading.Thread(target=self._heartbeat, name="hpct-agent-heartbeat", daemon=True).start()
             code = self._watch()
         except JobEnd as end:
@@ -130,6 +142,55 @@ class NodeAgent(Membership):
             if 0 < w.generation < generation and not w.joined and w.proc.poll() is None:
                 stop([w.proc], 0.0)
 
+    def _idle_wait(self) -> None:
+        """Outside the view: keep a warm standby for every local rank until taken in."""
+        o = self.opts
+        self.events.emit("idle", f"node {self.node} is outside the view (generation {self.generation}, nodes "
+                         f"{self.nodes}): it waits to take a lost node's slot or to join by grow",
+                         generation=self.generation, nodes=self.nodes)
+        if o.python_script:
+            self.pool.size = max(o.standby, o.nproc_per_node)
+
+    def _take_slot(self) -> None:
+        with self.cond:
+            gen = self.generation
+        self.events.emit("admitted", f"node {self.node} holds a slot of generation {gen}: its workers start",
+                         generation=gen)
+        self.active, self.pool.size = True, self.opts.standby
+        for local in range(self.opts.nproc_per_node):
+            self._start(local)
+
+    def _step_down(self) -> None:
+        with self.cond:
+            gen, self.gone = self.generation, {}
+        self.events.emit("dropped", f"node {self.node} is not in the view of generation {gen}: its workers "
+                         "stop and it says hello again, to be taken back", generation=gen)
+        self.active = False
+        workers, self.workers = list(self.workers.values()), {}
+        stop([w.proc for w in workers], STOP_GRACE_S)
+        hello = {"op": "hello", "node": self.node, **self._identity()}
+        for n in self._peers():
+            try:
+                wire.ask(self.addrs[n], self.port, hello, 2.0)
+            except wire.WireError:
+                pass
+        self._idle_wait()
+        self.pool.fill()
+
+    def _idle_over(self) -> bool:
+        """An idle node ends with the job: every member finished, or none answers any more."""
+        with self.cond:
+            members = [n for n in self.nodes if n != self.node]
+            if all(n in self.finished for n in members):
+                return True
+            now = time.monotonic()
+            quiet = all(now - self.seen.get(n, now) > self.opts.node_grace + 4 * 2.0 for n in members)
+        if quiet:
+            raise JobEnd(LaunchError.exit_code, f"no node of the view {members} answered this idle node "
+                         f"for {self.opts.node_grace + 8:g} s", fix="the job ended or this node lost its "
+                         "network: check the members' event logs")
+        return False
+
     def _watch(self) -> int:
         while True:
             if self.signalled is not None:
@@ -137,6 +198,18 @@ class NodeAgent(Membership):
                              "the other nodes are told this node leaves", False)
             if self.end is not None:
                 raise self.end
+            with self.cond:
+                member = self.node in self.nodes
+            if member and not self.active:
+                self._take_slot()
+            elif not member and self.active:
+                self._step_down()
+            if not self.active:
+                if self._idle_over():
+                    self.events.emit("done", "the job's members finished; this node was not needed", code=0)
+                    return 0
+                time.sleep(POLL_S)
+                continue
             lost = []
             for local, w in list(self.workers.items()):
                 code = w.proc.poll()
@@ -150,7 +223,7 @@ class NodeAgent(Membership):
             if lost:
                 self._replace(lost)
             if not self.workers:
-                self._tell_peers({"op": "leave", "node": self.node, "reason": "done"})
+                self._tell_peers({"op": "leave", "node": self.node, "reason": "done"}, self._contacts())
                 self.events.emit("done", "every worker of this node finished", code=0)
                 return 0
             time.sleep(POLL_S)
@@ -180,7 +253,7 @@ class NodeAgent(Membership):
             self.end = end
             if reason == "signal" or not end.from_peer:
                 self._tell_peers({"op": "leave", "node": self.node, "reason": reason, "code": end.code,
-                                  "why": end.message.splitlines()[0]})
+                                  "why": end.message.splitlines()[0]}, self._contacts())
         self.events.emit("end", end.message, code=end.code)
         stop([w.proc for w in self.workers.values()], STOP_GRACE_S)
         self.pool.close()

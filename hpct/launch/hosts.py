@@ -239,12 +239,15 @@ def from_hostfile(path: str | os.PathLike[str]) -> tuple[str, ...]:
     return tuple(hosts)
 
 
-def check_hosts(hosts: NodeSource | Iterable[str], nnodes: int, source: str | None = None) -> tuple[str, ...]:
-    """``hosts`` as a tuple, or a LaunchError when there are not exactly ``nnodes`` of them."""
+def check_hosts(hosts: NodeSource | Iterable[str], nnodes: int, source: str | None = None,
+                spares: int = 0) -> tuple[str, ...]:
+    """``hosts`` as a tuple, or a LaunchError when there are not exactly ``nnodes`` + ``spares``."""
     if isinstance(hosts, NodeSource):
         source, hosts = source or hosts.source, hosts.hosts
     hosts = tuple(hosts)
-    if len(hosts) != nnodes:
-        raise LaunchError(f"{source or 'the host list'} names {len(hosts)} host(s) but --nnodes is {nnodes}",
-                          fix=f"pass --nnodes {len(hosts)}, or a host list of {nnodes} nodes")
+    if len(hosts) != nnodes + spares:
+        counted = f"--nnodes {nnodes} plus --spare-nodes {spares}" if spares else f"--nnodes is {nnodes}"
+        raise LaunchError(f"{source or 'the host list'} names {len(hosts)} host(s) but {counted}",
+                          fix=f"pass --nnodes {len(hosts) - spares}, or a host list of {nnodes + spares} nodes"
+                              + (" (the active nodes first, then the spares)" if spares else ""))
     return hosts

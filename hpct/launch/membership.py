@@ -1,10 +1,18 @@
-"""How the agents of one job agree: hello at start, a view (generation, active nodes) moved only
-forward, pushed at once and carried by every heartbeat, a node dropped when silent or leaving,
-and the majority rule.  ``NodeAgent`` (agent.py) is the one subclass; it owns the workers.
+"""How the agents of one job agree: hello at start, a view (generation, the active nodes in slot
+order) moved only forward, pushed at once and carried by every heartbeat, a node dropped when
+silent or leaving, idle nodes taken in, and the majority rule.  ``NodeAgent`` (agent.py) is the
+one subclass; it owns the workers.
 
-A newer generation wins; an equal generation with other nodes takes the nodes both hold, one
-generation on.  A side keeps training only while it holds a strict majority of the last view's
-nodes, so a network split never leaves two worlds training.
+A slot holds a node and ``nproc_per_node`` ranks, in slot order.  An idle node (a spare of
+``--spare-nodes``, or a dropped node whose agent said hello again) that has pinged within the
+grace is taken in: when a node is dropped, the lowest idle node takes its slot (same ranks, the
+world keeps its size); when the world is smaller than ``--nnodes``, the lowest node of the view
+appends one (a grow: the members keep their ranks, the newcomer's follow).
+
+A newer generation wins, less the nodes this agent dropped; an equal generation with other
+nodes takes the nodes both hold, one generation on.  A side keeps training only while it holds
+a strict majority of the last view's nodes, so a network split never leaves two worlds
+training; a spare that fills a slot does not count towards that majority.
 """
 
 from __future__ import annotations
@@ -70,6 +78,9 @@ class Membership:
             return {"ok": True}
         if op == "world":
             return self._answer_world(int(req.get("place", -1)), int(req.get("formed", -1)))
+        if op == "peek":
+            with self.cond:
+                return self._world_of(int(req.get("place", -1)))
         return {"error": f"unknown request {op!r}"}
 
     def _view(self) -> dict:
@@ -81,25 +92,26 @@ class Membership:
         return {"op": "ping", **self._view()}
 
     def _hello(self, req: dict) -> dict:
-        o, mine = self.opts, {"run_id": self.opts.run_id, "nnodes": self.opts.nnodes,
-                              "nproc_per_node": self.opts.nproc_per_node, "hosts": list(self.opts.hosts)}
+        o, mine = self.opts, self._identity()
         for key, value in mine.items():
             if req.get(key) != value:
                 why = (f"the agent of node {req.get('node')} has {key} {req.get(key)!r}, the agent of node "
                        f"{self.node} has {value!r}")
                 self._refuse(why)
                 return {"error": why}
-        with self.cond:
-            dropped = req.get("node") not in self.nodes
-        if dropped:
-            return {"error": f"node {req.get('node')} was dropped from this job at generation {self.generation}; "
-                             "hpct run does not take a node back yet"}
         if req.get("node") == self.node:
             why = f"two agents claim node rank {self.node} (at {o.hosts[self.node]} and another host)"
             self._refuse(why)
             return {"error": why}
-        self.seen[req.get("node")] = time.monotonic()
+        with self.cond:     # a dropped node's agent heard again is idle: the view may take it back
+            self.seen[req.get("node")] = time.monotonic()
+            self.leaving.pop(req.get("node"), None)
         return {"ok": True, **self._view()}
+
+    def _identity(self) -> dict:
+        o = self.opts
+        return {"run_id": o.run_id, "nnodes": o.nnodes, "spare_nodes": o.spare_nodes,
+                "nproc_per_node": o.nproc_per_node, "hosts": list(o.hosts)}
 
     def _refuse(self, why: str) -> None:
         with self.cond:
@@ -117,7 +129,10 @@ class Membership:
         with self.cond:
             if self.generation <= formed:       # nobody was lost: the same members, re-formed
                 self._move(formed + 1, self.nodes, "re-form asked by a worker")
-            plan, gen = self._world()
+            return self._world_of(place)
+
+    def _world_of(self, place: int) -> dict:
+        plan, gen = self._world()
         if place not in plan:
             return {"error": f"place {place} is not in the world of generation {gen}"}
         return {"generation": gen, "world_size": len(plan), "rank": plan.index(place), "plan_ranks": plan}
@@ -137,51 +152,95 @@ class Membership:
         with self.cond:
             silent = [n for n in silent if n in self.nodes]
             left = [n for n in left if n in self.nodes and n not in silent]
-            if not (silent or left) or self.signalled is not None or self.end is not None:
+            if not (silent or left) or self.signalled is not None or self.end is not None \
+                    or self.node not in self.nodes:      # an idle agent follows the members' view
                 return
             quiet = "did not answer a probe (a worker was waiting)" if probed else \
                 f"silent for {self.opts.node_grace:g} s"
             why = "; ".join([f"node {n} {quiet}" for n in silent] +
                             [f"node {n} left" for n in left])
+            self.gone.update({n: time.monotonic() for n in silent + left})
+            for n in left:
+                self.leaving.pop(n, None)
+            idle, nodes = self._idle(), []
+            for n in self.nodes:        # the lowest idle node takes a lost node's slot
+                if n not in silent + left:
+                    nodes.append(n)
+                elif idle:
+                    nodes.append(idle.pop(0))
+                    why += f"; node {nodes[-1]} takes its slot"
             self.events.emit("node-lost", why, nodes=silent + left)
-            self._move(self.generation + 1, [n for n in self.nodes if n not in silent + left], why)
+            self._move(self.generation + 1, nodes, why)
+
+    def _idle(self) -> list[int]:
+        """Caller holds the lock.  Nodes outside the view that may be taken in, lowest first."""
+        now = time.monotonic()
+        return [n for n in range(self.opts.all_nodes) if n not in self.nodes and not self._gone(n)
+                and n not in self.finished and n not in self.leaving
+                and now - self.seen.get(n, -1e9) <= self.opts.node_grace]
+
+    def _gone(self, n: int) -> bool:
+        """Dropped by this agent and not heard from since."""
+        return n in self.gone and self.seen.get(n, -1e9) <= self.gone[n]
+
+    def _take_idle(self) -> None:
+        """The lowest node of the view grows a world smaller than --nnodes by an idle node."""
+        with self.cond:
+            if self.end is not None or not self.nodes or self.nodes[0] != self.node \
+                    or len(self.nodes) >= self.opts.nnodes or any(n in self.nodes for n in self.leaving):
+                return
+            idle = self._idle()
+            if idle:
+                self._move(self.generation + 1, self.nodes + idle[:1], f"node {idle[0]} joins (grow)")
 
     # -- the view ------------------------------------------------------------------------------
     def _move(self, generation: int, nodes: list[int], why: str) -> None:
         """Caller holds the lock.  Take a newer view and push it to every peer."""
-        before = len(self.nodes)
-        self.generation, self.nodes = generation, sorted(nodes)
-        if len(self.nodes) * 2 <= before and len(self.nodes) < before:
+        before, kept = len(self.nodes), len(set(nodes) & set(self.nodes))
+        self.generation, self.nodes = generation, list(nodes)
+        if kept * 2 <= before and kept < before and self.node in self.nodes:
             self.end = JobEnd(LaunchError.exit_code,
-                              f"{len(self.nodes)} of the last view's {before} nodes remain here, no majority: "
+                              f"{kept} of the last view's {before} nodes remain here, no majority: "
                               "stopping, so that a split network never trains two worlds",
                               fix="the side holding the majority goes on; check this node's network, then "
                                   "start a new job (or add capacity to the running one with hd.grow)")
         self.events.emit("view", f"generation {generation}, nodes {self.nodes} ({why})",
                          generation=generation, nodes=self.nodes, why=why)
         self.cond.notify_all()
-        threading.Thread(target=self._tell_peers, args=(self._ping(),), daemon=True).start()
+        if self.node in self.nodes:         # an idle agent follows; only members push views
+            threading.Thread(target=self._tell_peers, args=(self._ping(),), daemon=True).start()
         self._view_moved(generation)
 
     def _peers(self) -> list[int]:
         with self.cond:
             return [n for n in self.nodes if n != self.node and n not in self.finished]
 
+    def _contacts(self) -> list[int]:
+        """The view's nodes and the idle ones: who hears that this node leaves or finished."""
+        with self.cond:
+            return sorted(set(self._peers()) | {n for n in self._idle() if n != self.node})
+
     def _merge(self, generation: int, nodes: list[int], sender) -> None:
         with self.cond:
             if sender is not None:
                 self.seen[sender] = time.monotonic()
-            if generation > self.generation:
-                kept = [n for n in sorted(nodes) if n in self.nodes]
-                self._move(generation if kept == sorted(nodes) else generation + 1, kept, "a peer's view")
-            elif generation == self.generation and sorted(nodes) != self.nodes:
-                self._move(generation + 1, [n for n in self.nodes if n in nodes], "views differed")
+                if sender not in self.nodes and sender not in nodes:
+                    return          # an idle agent's view is only what it heard from the members
+            if self.node not in self.nodes and generation > self.generation:
+                self._move(generation, list(nodes), "the members' view")
+            elif generation > self.generation:
+                kept = [n for n in nodes if not self._gone(n)]
+                self._move(generation if kept == list(nodes) else generation + 1, kept, "a peer's view")
+            elif generation == self.generation and list(nodes) != self.nodes:
+                # Both sides compute the same result: the nodes both hold, in the smaller list's order.
+                first, other = sorted([list(nodes), self.nodes])
+                self._move(generation + 1, [n for n in first if n in other and not self._gone(n)],
+                           "views differed")
 
     def _greet(self) -> None:
         """Every peer must answer a hello (same job, nodes, workers, hosts) before workers start."""
         o, deadline = self.opts, time.monotonic() + self.cfg.connect_timeout
-        hello = {"op": "hello", "node": self.node, "run_id": o.run_id, "nnodes": o.nnodes,
-                 "nproc_per_node": o.nproc_per_node, "hosts": list(o.hosts)}
+        hello = {"op": "hello", "node": self.node, **self._identity()}
         waiting = set(self._peers())
         while waiting:
             for n in sorted(waiting):
@@ -192,6 +251,9 @@ class Membership:
                 if "error" in reply:
                     raise JobEnd(LaunchError.exit_code, f"refused at start: {reply['error']}", fix=SAME_JOB_FIX)
                 waiting.discard(n)
+                if reply.get("generation", 0) > 0:     # a running job: wait only for its members
+                    self._merge(reply["generation"], reply["nodes"], n)
+                    waiting &= set(self._peers())
             if self.end is not None:
                 raise self.end
             if self.signalled is not None:
@@ -204,7 +266,8 @@ class Membership:
                              fix="start hpct run on every node of the host list, or check that each node "
                                  "reaches the others at HPCT_AGENT_PORT")
             time.sleep(0.05 if waiting else 0)
-        self.events.emit("membership", f"all {o.nnodes} agents answered", nodes=self.nodes)
+        self.events.emit("membership", f"the agents of nodes {self.nodes} answered (generation "
+                         f"{self.generation})", nodes=self.nodes, generation=self.generation)
 
     def _heartbeat(self) -> None:
         while self.end is None:
@@ -221,10 +284,11 @@ class Membership:
                           and n not in self.leaving and now - self.seen.get(n, now) > self.opts.node_grace]
                 left = [n for n, t in self.leaving.items() if now - t > SETTLE_S]
             self._drop(silent, left)
+            self._take_idle()
             time.sleep(HEARTBEAT_S)
 
-    def _tell_peers(self, message: dict) -> None:
-        for n in self._peers():
+    def _tell_peers(self, message: dict, to: list[int] | None = None) -> None:
+        for n in self._peers() if to is None else to:
             try:
                 wire.ask(self.addrs[n], self.port, message, ASK_TIMEOUT_S)
             except wire.WireError:

@@ -77,6 +77,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     add("--hosts", default=None, help="node addresses, node 0 first: a comma list or a Slurm hostlist")
     add("--hostfile", default=None, help="file with one node address per line")
     add("--standby", type=int, default=0, help="warm standby processes per node (torch imported)")
+    add("--spare-nodes", type=int, default=0, help="spare nodes listed after the active ones: one takes a "
+        "lost node's place (its ranks), and a node that comes back after a shrink joins by grow")
     add("--port-base", type=int, default=None, help="HPCT_PORT_BASE for the job's port plan")
     add("--node-grace", type=float, default=DEFAULT_GRACE_S, help="seconds of silence that make a node lost")
     add("--log-dir", default=None, help="folder for per-worker logs (default: a new temporary folder)")
@@ -101,6 +103,7 @@ class RunOptions:
     run_id: str
     max_restarts: int
     standby: int
+    spare_nodes: int                  # host list entries after the nnodes active ones
     command: tuple[str, ...]          # the worker's argv
     python_script: bool               # standbys can run it (not --no-python)
     log_dir: Path
@@ -113,6 +116,11 @@ class RunOptions:
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
 
+    @property
+    def all_nodes(self) -> int:
+        """Active and spare nodes: the host list's length."""
+        return self.nnodes + self.spare_nodes
+
     @classmethod
     def from_mapping(cls, args: Mapping, env: Mapping[str, str]) -> "RunOptions":
         args = _with_pet_defaults(args, env)
@@ -120,17 +128,24 @@ class RunOptions:
             flag = args["refused"][0]
             raise LaunchError(f"hpct run cannot honour torchrun's {flag}", fix=REFUSED_FLAGS[flag])
         nnodes = _count("--nnodes", args["nnodes"], "a number of nodes such as 2") if args.get("nnodes") else None
-        hosts, source, slurm_rank, slurm_nproc = _hosts(args, env, nnodes)
-        nnodes = nnodes or len(hosts)
+        spares = args.get("spare_nodes") or 0
+        if spares < 0:
+            raise LaunchError(f"--spare-nodes {spares} is negative", fix="give 0 or more")
+        hosts, source, slurm_rank, slurm_nproc = _hosts(args, env, nnodes, spares)
+        nnodes = nnodes or len(hosts) - spares
+        if nnodes < 1:
+            raise LaunchError(f"--spare-nodes {spares} leaves no active node of the {len(hosts)} listed",
+                              fix="list the active nodes first, then the spares, and give --nnodes")
         nproc = args.get("nproc_per_node")
         nproc = _count("--nproc-per-node", nproc, "a number of workers such as 8") if nproc else (slurm_nproc or 1)
         node_rank = args.get("node_rank")
         node_rank = node_rank if node_rank is not None else slurm_rank
         if node_rank is None:
-            node_rank = 0 if nnodes == 1 else _local_node(hosts, source)
-        if not 0 <= node_rank < nnodes:
-            raise LaunchError(f"--node-rank {node_rank} is not below --nnodes {nnodes}",
-                              fix=f"give each node's agent a rank from 0 to {nnodes - 1}")
+            node_rank = 0 if len(hosts) == 1 else _local_node(hosts, source)
+        if not 0 <= node_rank < nnodes + spares:
+            raise LaunchError(f"--node-rank {node_rank} is not below --nnodes {nnodes}"
+                              f"{f' plus --spare-nodes {spares}' if spares else ''}",
+                              fix=f"give each node's agent a rank from 0 to {nnodes + spares - 1}")
         for name in ("max_restarts", "standby"):
             if args.get(name, 0) < 0:
                 raise LaunchError(f"--{name.replace('_', '-')} {args[name]} is negative", fix="give 0 or more")
@@ -153,6 +168,7 @@ class RunOptions:
         json_log = Path(args["json_log"]) if args.get("json_log") else None
         return cls(nnodes=nnodes, nproc_per_node=nproc, node_rank=node_rank, hosts=hosts, host_source=source,
                    run_id=run_id, max_restarts=args.get("max_restarts", 0), standby=args.get("standby", 0),
+                   spare_nodes=spares,
                    command=command + tuple(args.get("training_script_args") or ()),
                    python_script=not args.get("no_python"), log_dir=log_dir.resolve(), json_log=json_log,
                    node_grace=float(args.get("node_grace", DEFAULT_GRACE_S)), port_env=port_env,
@@ -190,7 +206,7 @@ def _count(flag: str, raw, example: str) -> int:
     return int(text)
 
 
-def _hosts(args: Mapping, env: Mapping[str, str], nnodes: int):
+def _hosts(args: Mapping, env: Mapping[str, str], nnodes: int, spares: int = 0):
     """(hosts, where they came from, the scheduler's node rank, the scheduler's workers per node)."""
     from . import hosts as sources
     if args.get("standalone"):
@@ -212,7 +228,7 @@ def _hosts(args: Mapping, env: Mapping[str, str], nnodes: int):
     elif (slurm := sources.from_slurm(env)) is not None:
         found, source, rank, nproc = slurm.hosts, slurm.source, slurm.node_rank, slurm.nproc_per_node
     elif env.get("KUBERNETES_SERVICE_HOST") and \
-            (pod := sources.from_pod_name(socket.gethostname(), nnodes or 1)) is not None:
+            (pod := sources.from_pod_name(socket.gethostname(), (nnodes or 1) + spares)) is not None:
         found, source, rank = pod.hosts, pod.source, pod.node_rank
     elif nnodes in (None, 1):
         return ("127.0.0.1",), "one node", 0, None
@@ -221,7 +237,7 @@ def _hosts(args: Mapping, env: Mapping[str, str], nnodes: int):
                           fix="give --hosts a,b,... or --hostfile FILE (under Slurm they come from "
                               "SLURM_JOB_NODELIST)")
     if nnodes is not None:
-        sources.check_hosts(found, nnodes, source)
+        sources.check_hosts(found, nnodes, source, spares)
     return found, source, rank, nproc
 
 
