@@ -21,28 +21,29 @@ from launch_cluster import Agents, progress, records
 from netns import netns_network, unavailable_reason
 
 EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "ddp.py")
+FSDP2 = str(Path(EXAMPLE).with_name("fsdp2.py"))
 STEPS = ["--steps", "40", "--step-time", "0.03"]
 LIMIT_S = 180
 
 
-_STOCK: dict[int, str] = {}
+_STOCK: dict[tuple[str, int], str] = {}
 
 
-def stock_digest(tmp: Path, nproc: int) -> str:
+def stock_digest(tmp: Path, nproc: int, script: str = EXAMPLE) -> str:
     """The fault-free run: torchrun and torch's own Gloo backend, the same script (once per size)."""
-    if nproc in _STOCK:
-        return _STOCK[nproc]
+    if (script, nproc) in _STOCK:
+        return _STOCK[script, nproc]
     out = tmp / "stock"
     out.mkdir()
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          f"--nproc-per-node={nproc}", EXAMPLE, *STEPS, "--backend", "gloo", "--out", str(out)],
+                          f"--nproc-per-node={nproc}", script, *STEPS, "--backend", "gloo", "--out", str(out)],
                          capture_output=True, text=True, timeout=LIMIT_S, cwd=tmp,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
     digests = {r["digest"] for r in records(out)}
     assert len(digests) == 1
-    _STOCK[nproc] = digests.pop()
-    return _STOCK[nproc]
+    _STOCK[script, nproc] = digests.pop()
+    return _STOCK[script, nproc]
 
 
 def wait_progress(agents: Agents, out: Path, rank: int, step: int, timeout: float = 120) -> None:
@@ -113,6 +114,30 @@ def test_two_nodes_replace_a_killed_worker(tmp_path):
             assert agents.wait(LIMIT_S) == [0, 0], agents.output(0) + agents.output(1)
         check_replaced(agents, out, 3, 4, expect)
         assert agents.events(0, "view")[-1]["generation"] == 1, "node 0 learnt the new generation"
+
+
+@pytest.mark.multihost
+@pytest.mark.slow
+def test_an_fsdp2_hsdp_job_replaces_a_killed_worker_from_its_replicas_shards(tmp_path):
+    """examples/fsdp2.py on 2 nodes x 2 (mesh replicate 2 x shard 2): rank 3 on node 1 is killed; its
+    replacement takes its shards and momentum from rank 1 on node 0, its replica.  The run ends with
+    the full parameters of a fault-free stock run, bit for bit."""
+    if (why := unavailable_reason()) is not None:
+        pytest.skip(why)
+    expect = stock_digest(tmp_path, 4, FSDP2)
+    out = tmp_path / "out"
+    out.mkdir()
+    with netns_network(2, name_prefix="hpct-run", subnet="10.236.0") as ns:
+        args = ["--nnodes", "2", "--nproc-per-node", "2", "--standby", "1",
+                "--hosts", ",".join(n.address for n in ns), FSDP2, *STEPS, "--out", str(out)]
+        with Agents(tmp_path, args, nodes=2, namespaces=ns) as agents:
+            agents.start()
+            agents.wait_event(1, "standby", 120)
+            wait_progress(agents, out, 3, 10)
+            os.kill(agents.worker_pid(1, 3), signal.SIGKILL)
+            assert agents.wait(LIMIT_S) == [0, 0], agents.output(0) + agents.output(1)
+        check_replaced(agents, out, 3, 4, expect)
+        assert agents.events(1, "start")[-1]["warm"] is True
 
 
 @contextlib.contextmanager
