@@ -196,3 +196,37 @@ def test_a_cancel_of_every_agent_ends_the_job_not_n_node_losses(tmp_path):
         for n in range(3):
             assert not agents.events(n, "node-lost"), agents.output(n)
             assert "stopped by signal 15" in agents.events(n, "end")[0]["message"]
+
+
+def test_an_unused_spare_node_waits_idle_and_ends_with_the_job(tmp_path):
+    hosts = "127.0.0.1,127.0.0.2,127.0.0.3"
+    with Agents(tmp_path, ["--nnodes", "2", "--spare-nodes", "1", "--hosts", hosts, "--port-base", port_base(),
+                           WORKER, str(tmp_path), "sleep", "3"], nodes=3,
+                node_args=[["--node-rank", str(i)] for i in range(3)]) as agents:
+        agents.start()
+        assert agents.wait(90) == [0, 0, 0], agents.output(2)
+    idle = agents.events(2, "idle")
+    assert idle and idle[0]["nodes"] == [0, 1], agents.output(2)
+    assert not agents.events(2, "start"), "a spare starts no worker while the view is whole"
+    assert "this node was not needed" in agents.events(2, "done")[0]["message"]
+    assert sorted(p.name.split("-")[1] for p in tmp_path.glob("start-*")) == ["0", "1"]
+
+
+def test_a_node_dropped_while_alive_stops_its_workers_and_is_taken_back(tmp_path):
+    """Node 2's agent is paused (SIGSTOP) past the grace: the others drop it.  Resumed, it learns it
+    is out of the view, stops its worker and says hello again; node 0 grows the view back and
+    node 2 starts a worker at the new generation."""
+    with three_agents(tmp_path) as agents:
+        agents.start()
+        for n in range(3):
+            agents.wait_event(n, "start", 30)
+        agents.procs[2].send_signal(signal.SIGSTOP)
+        agents.wait_event(0, "view", 30, where=lambda e: e["nodes"] == [0, 1])
+        agents.procs[2].send_signal(signal.SIGCONT)
+        agents.wait_event(2, "dropped", 30)
+        back = agents.wait_event(0, "view", 30, where=lambda e: e["nodes"] == [0, 1, 2])[0]
+        agents.wait_event(2, "admitted", 30)
+        start = agents.wait_event(2, "start", 30, count=2)[-1]
+        assert start["generation"] >= back["generation"] and start["rank"] == 2
+        assert len(list(tmp_path.glob("term-2-*"))) == 1, "the dropped node's worker was stopped"
+        assert all(p.poll() is None for p in agents.procs), "nobody ended the job"

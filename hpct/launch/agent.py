@@ -46,6 +46,7 @@ class NodeAgent(Membership):
         self.finished: set[int] = set()
         self.gone: dict[int, float] = {}         # node -> when this agent dropped it
         self.active = False                      # this node's workers hold its slot
+        self.left_view = False                   # the view lost this node while its workers ran
         self.seen = {n: time.monotonic() for n in self.nodes}
         self.leaving: dict[int, float] = {}
         self.workers: dict[int, Worker] = {}
@@ -138,6 +139,8 @@ class NodeAgent(Membership):
         self.signalled = signum
 
     def _view_moved(self, generation: int) -> None:
+        if self.active and self.node not in self.nodes:
+            self.left_view = True        # even if taken back at once: its workers' world is gone
         for w in self.workers.values():      # a replacement that has not joined yet would be stale
             if 0 < w.generation < generation and not w.joined and w.proc.poll() is None:
                 stop([w.proc], 0.0)
@@ -162,7 +165,7 @@ class NodeAgent(Membership):
 
     def _step_down(self) -> None:
         with self.cond:
-            gen, self.gone = self.generation, {}
+            gen, self.gone, self.left_view = self.generation, {}, False
         self.events.emit("dropped", f"node {self.node} is not in the view of generation {gen}: its workers "
                          "stop and it says hello again, to be taken back", generation=gen)
         self.active = False
@@ -202,7 +205,7 @@ class NodeAgent(Membership):
                 member = self.node in self.nodes
             if member and not self.active:
                 self._take_slot()
-            elif not member and self.active:
+            elif (self.left_view or not member) and self.active:
                 self._step_down()
             if not self.active:
                 if self._idle_over():

@@ -270,16 +270,33 @@ class Membership:
                          f"{self.generation})", nodes=self.nodes, generation=self.generation)
 
     def _heartbeat(self) -> None:
+        # One ask per peer at a time, each on its own thread: a peer that accepts and never answers
+        # (a paused process) holds up only its own ask, so the others are still heard within the grace.
+        asking: set[int] = set()
+
+        def ask(n: int, view: dict) -> None:
+            try:
+                reply = wire.ask(self.addrs[n], self.port, view, ASK_TIMEOUT_S)
+                self._merge(reply["generation"], reply["nodes"], n)
+            except (wire.WireError, KeyError):
+                pass
+            finally:
+                asking.discard(n)
+
+        last = time.monotonic()
         while self.end is None:
             view = self._ping()
             for n in self._peers():
-                try:
-                    reply = wire.ask(self.addrs[n], self.port, view, ASK_TIMEOUT_S)
-                    self._merge(reply["generation"], reply["nodes"], n)
-                except (wire.WireError, KeyError):
-                    pass
+                if n not in asking:
+                    asking.add(n)
+                    threading.Thread(target=ask, args=(n, view), name=f"hpct-agent-ask-{n}", daemon=True).start()
             now = time.monotonic()
             with self.cond:
+                if now - last > self.opts.node_grace:
+                    # This agent itself stood still (paused, starved): its peers' silence is not
+                    # theirs.  They get a fresh grace, and the answers just asked for count.
+                    self.seen.update({n: now for n in self.nodes})
+                last = now
                 silent = [n for n in self.nodes if n != self.node and n not in self.finished
                           and n not in self.leaving and now - self.seen.get(n, now) > self.opts.node_grace]
                 left = [n for n, t in self.leaving.items() if now - t > SETTLE_S]
