@@ -230,3 +230,24 @@ def test_a_node_dropped_while_alive_stops_its_workers_and_is_taken_back(tmp_path
         assert start["generation"] >= back["generation"] and start["rank"] == 2
         assert len(list(tmp_path.glob("term-2-*"))) == 1, "the dropped node's worker was stopped"
         assert all(p.poll() is None for p in agents.procs), "nobody ended the job"
+
+
+def test_a_newcomer_that_cannot_join_before_the_job_ends_is_stopped_not_retried(tmp_path):
+    """Node 2 of 3 is lost; the spare (node 3) takes its slot, but its worker (which never tells the
+    agent it joined) is still waiting when the members finish: the spare's agent stops it and ends
+    with 0 instead of counting a failed start."""
+    hosts = ",".join(f"127.0.0.{i + 1}" for i in range(4))
+    with Agents(tmp_path, ["--nnodes", "3", "--spare-nodes", "1", "--hosts", hosts, "--port-base", port_base(),
+                           "--node-grace", "1", WORKER, str(tmp_path), "sleep", "5"], nodes=4,
+                node_args=[["--node-rank", str(i)] for i in range(4)]) as agents:
+        agents.start()
+        for n in range(3):
+            agents.wait_event(n, "start", 30)
+        agents.wait_event(3, "idle", 30)
+        agents.procs[2].kill()
+        agents.wait_event(3, "admitted", 30)
+        codes = [agents.procs[n].wait(timeout=60) for n in (0, 1, 3)]
+        assert codes == [0, 0, 0], agents.output(3)
+    [stopped] = agents.events(3, "exit")
+    assert stopped["message"].endswith("stopped: the job's other nodes finished before it joined"), stopped
+    assert not agents.events(3, "worker-lost"), agents.output(3)

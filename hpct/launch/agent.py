@@ -214,8 +214,17 @@ class NodeAgent(Membership):
                 time.sleep(POLL_S)
                 continue
             lost = []
+            with self.cond:
+                others_done = len(self.nodes) > 1 and all(n in self.finished for n in self.nodes if n != self.node)
             for local, w in list(self.workers.items()):
                 code = w.proc.poll()
+                if others_done and not w.joined and w.generation > 0:
+                    # A newcomer (grow, spare, replacement) whose world can no longer form.
+                    stop([w.proc], STOP_GRACE_S)
+                    self.events.emit("exit", f"rank {w.rank} pid {w.proc.pid} stopped: the job's other nodes "
+                                     "finished before it joined", rank=w.rank, code=0)
+                    del self.workers[local]
+                    continue
                 if code is None:
                     continue
                 if code == 0:
