@@ -60,7 +60,7 @@ fi
 tier_pip install -q --no-deps --force-reinstall "$wheel"
 echo "ci/torch_tier.sh: $("$venv/bin/python" -P -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "NCCL", ".".join(map(str, torch.cuda.nccl.version())))') with $(basename "$wheel")"
 # The backend against ProcessGroupGloo, a SIGKILLed rank's in-process recovery, shrink/grow, the
-# doctor, `hpct run` replacing a killed worker from a warm standby, the NCCL engine's simulation
+# doctor, `hpct run` replacing a killed worker from a warm standby (DDP, and FSDP2 from its replica), the NCCL engine's simulation
 # tier, the reconfigure API with PyTorch's own fault-tolerance suite, the drop-in NCCL: what a user of this torch runs (the full suite runs
 # on the CPU pin; this tier keeps CI within its time).
 timeout --signal=INT --kill-after=30 20m "$venv/bin/python" -P -m pytest -q -p no:cacheprovider \
