@@ -7,6 +7,7 @@ agent's decisions; tests/test_launch_recovery.py proves the recovery with real t
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -251,3 +252,22 @@ def test_a_newcomer_that_cannot_join_before_the_job_ends_is_stopped_not_retried(
     [stopped] = agents.events(3, "exit")
     assert stopped["message"].endswith("stopped: the job's other nodes finished before it joined"), stopped
     assert not agents.events(3, "worker-lost"), agents.output(3)
+
+
+def test_an_agent_restarted_within_the_grace_restarts_its_workers_as_replacements(tmp_path):
+    """Node 2's agent and worker die and the agent is started again before the others drop the node:
+    its peers know its agent said hello before, so it moves the view one generation on and starts
+    its worker as a replacement there (a generation-0 worker would meet nobody)."""
+    with three_agents(tmp_path) as agents:
+        agents.start()
+        starts = [agents.wait_event(n, "start", 30)[0] for n in range(3)]
+        agents.procs[2].kill()
+        agents.procs[2].wait(timeout=10)
+        os.kill(starts[2]["pid"], signal.SIGKILL)
+        agents.restart(2)
+        again = agents.wait_event(2, "start", 30, count=2)[-1]
+        assert again["generation"] >= 1 and again["rank"] == 2, agents.output(2)
+        assert "node 2's agent came back" in agents.output(2)
+        for n in (0, 1):
+            agents.wait_event(n, "view", 30, where=lambda e: e["generation"] >= 1 and e["nodes"] == [0, 1, 2])
+            assert not agents.events(n, "start")[1:], "only node 2's worker restarted"

@@ -47,6 +47,8 @@ class NodeAgent(Membership):
         self.gone: dict[int, float] = {}         # node -> when this agent dropped it
         self.active = False                      # this node's workers hold its slot
         self.left_view = False                   # the view lost this node while its workers ran
+        self.hellos: set[int] = set()            # nodes whose agents said hello to this one
+        self.restarted = False                   # a peer knew this node's agent before this one
         self.seen = {n: time.monotonic() for n in self.nodes}
         self.leaving: dict[int, float] = {}
         self.workers: dict[int, Worker] = {}
@@ -117,7 +119,7 @@ class NodeAgent(Membership):
                                  "and the port plan", flag=flag)
             self._greet()
             with self.cond:
-                if self.node in self.nodes and self.generation > 0:
+                if self.node in self.nodes and (self.generation > 0 or self.restarted):
                     # This node's agent restarted before the others dropped it: its slot is
                     # empty, so its workers start again as replacements, one generation on.
                     self._move(self.generation + 1, self.nodes, f"node {self.node}'s agent came back")

@@ -92,21 +92,21 @@ class Membership:
         return {"op": "ping", **self._view()}
 
     def _hello(self, req: dict) -> dict:
-        o, mine = self.opts, self._identity()
-        for key, value in mine.items():
-            if req.get(key) != value:
-                why = (f"the agent of node {req.get('node')} has {key} {req.get(key)!r}, the agent of node "
-                       f"{self.node} has {value!r}")
-                self._refuse(why)
-                return {"error": why}
-        if req.get("node") == self.node:
+        o, mine, node = self.opts, self._identity(), req.get("node")
+        why = next((f"the agent of node {node} has {key} {req.get(key)!r}, the agent of node {self.node} has "
+                    f"{value!r}" for key, value in mine.items() if req.get(key) != value), None)
+        if why is None and node == self.node:
             why = f"two agents claim node rank {self.node} (at {o.hosts[self.node]} and another host)"
-            self._refuse(why)
+        if why is not None:
+            if self.generation == 0 and not self.workers:
+                self._refuse(why)       # at start the whole job is refused; a running one refuses the stranger
             return {"error": why}
         with self.cond:     # a dropped node's agent heard again is idle: the view may take it back
-            self.seen[req.get("node")] = time.monotonic()
-            self.leaving.pop(req.get("node"), None)
-        return {"ok": True, **self._view()}
+            self.seen[node] = time.monotonic()
+            self.leaving.pop(node, None)
+            # An agent says hello once per life: a second hello from a member is a restarted agent.
+            again, self.hellos = node in self.hellos and node in self.nodes, self.hellos | {node}
+        return {"ok": True, "again": again, **self._view()}
 
     def _identity(self) -> dict:
         o = self.opts
@@ -251,6 +251,7 @@ class Membership:
                 if "error" in reply:
                     raise JobEnd(LaunchError.exit_code, f"refused at start: {reply['error']}", fix=SAME_JOB_FIX)
                 waiting.discard(n)
+                self.restarted = self.restarted or reply.get("again", False)
                 if reply.get("generation", 0) > 0:     # a running job: wait only for its members
                     self._merge(reply["generation"], reply["nodes"], n)
                     waiting &= set(self._peers())
