@@ -33,7 +33,7 @@ class Agent(Membership):
                                     nproc_per_node=2, run_id="t", hosts=[f"h{n}" for n in range(nnodes + spares)])
         self.node, self.cond, self.events = node, threading.Condition(), Recorder()
         self.generation, self.nodes = 0, list(range(nnodes))
-        self.finished, self.leaving, self.gone = set(), {}, {}
+        self.finished, self.leaving, self.gone, self.hellos, self.workers = set(), {}, {}, set(), {}
         self.seen = {n: time.monotonic() for n in range(nnodes + spares)}
         self.end = self.signalled = None
         self.pushed: list[dict] = []
@@ -92,7 +92,7 @@ def test_a_dropped_node_stays_out_until_it_is_heard_again():
     a._merge(3, [0, 1, 2], sender=1)            # a peer that never dropped it
     assert (a.generation, a.nodes) == (4, [0, 1]), "node 2 stripped, one generation on"
     reply = a._hello({"node": 2, **a._identity()})   # its agent came back
-    assert reply["ok"] and reply["nodes"] == [0, 1]
+    assert reply["ok"] and reply["nodes"] == [0, 1] and not reply["again"], "not a member: no restart"
     assert a._idle() == [2, 3], "the returned node and the spare are both idle"
     a._merge(5, [0, 1, 2], sender=1)
     assert (a.generation, a.nodes) == (5, [0, 1, 2])
@@ -133,3 +133,16 @@ def test_peek_answers_the_newest_world_without_moving_it():
                                                     "plan_ranks": [0, 1, 6, 7, 4, 5]}
     assert a.handle({"op": "peek", "place": 2})["error"] == "place 2 is not in the world of generation 1"
     assert a.generation == 1
+
+
+def test_a_second_hello_from_a_member_is_a_restarted_agent_and_a_stranger_ends_only_a_new_job():
+    a = Agent(0)
+    assert a._hello({"node": 1, **a._identity()})["again"] is False
+    assert a._hello({"node": 1, **a._identity()})["again"] is True
+    a.workers = {0: object()}                     # running: a stranger is refused, the job goes on
+    reply = a._hello({"node": 2, **a._identity(), "run_id": "other"})
+    assert reply["error"] == "the agent of node 2 has run_id 'other', the agent of node 0 has 't'"
+    assert a.end is None
+    a.workers = {}                                # at start the whole job is refused
+    assert a._hello({"node": 0, **a._identity()})["error"].startswith("two agents claim node rank 0")
+    assert a.end is not None and a.end.message.startswith("refused at start: two agents claim node rank 0")
