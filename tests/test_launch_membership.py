@@ -34,6 +34,7 @@ class Agent(Membership):
         self.node, self.cond, self.events = node, threading.Condition(), Recorder()
         self.generation, self.nodes = 0, list(range(nnodes))
         self.finished, self.leaving, self.gone, self.hellos, self.workers = set(), {}, {}, set(), {}
+        self.failing = {}
         self.seen = {n: time.monotonic() for n in range(nnodes + spares)}
         self.end = self.signalled = None
         self.pushed: list[dict] = []
@@ -82,8 +83,25 @@ def test_equal_generations_with_different_nodes_resolve_alike_on_both_sides():
     va, vb = (a.generation, list(a.nodes)), (b.generation, list(b.nodes))
     assert va[0] == vb[0] == 1 and va[1] != vb[1]
     a._merge(*vb, sender=3)
-    b._merge(*va, sender=0)
+    assert (a.generation, a.nodes) == va, "a's view is the smaller: a keeps it"
+    b._merge(*va, sender=0)                    # b takes it, less node 1 that b dropped, one on
+    assert (b.generation, b.nodes) == (2, [0, 4, 3])
+    a._merge(b.generation, b.nodes, sender=3)
     assert (a.generation, a.nodes) == (b.generation, b.nodes) == (2, [0, 4, 3])
+
+
+def test_of_two_views_of_one_generation_the_node_left_out_follows_and_goes_idle():
+    """Node 1 dropped node 2 and node 2 dropped node 1 (a pause): both choose [0, 1]; node 2 takes
+    it as it is, without a move of its own, and is idle (a member of no world), never the end of the job."""
+    one, two = Agent(1, spares=0), Agent(2, spares=0)
+    one._drop([2], [])
+    two._drop([1], [])
+    two._merge(one.generation, one.nodes, sender=1)
+    assert (two.generation, two.nodes) == (1, [0, 1]) and two.end is None
+    one._merge(1, [0, 2], sender=2)
+    assert one.nodes == [0, 1] and one.end is None
+    one._merge(1, [0], sender=2)
+    assert one.nodes == [0, 1], "a view without its sender is an idle agent's: not taken"
 
 
 def test_a_dropped_node_stays_out_until_it_is_heard_again():

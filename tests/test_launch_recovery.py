@@ -177,7 +177,9 @@ def test_a_lost_node_is_dropped_and_the_survivors_shrink(tmp_path):
     survivors = [r for r in records(out)]
     assert sorted(r["rank"] for r in survivors) == [0, 1]
     assert len({r["digest"] for r in survivors}) == 1
-    assert all(r["generation"] == 0 and r["recoveries"] for r in survivors), "no survivor restarted"
+    # No survivor restarted.  They re-formed after a failed step (a recovery) or, when the lost node's
+    # worker outlived its agent by a step and its membership check found no agent, at that step boundary.
+    assert all(r["generation"] == 0 and (r["recoveries"] or r["grows"]) for r in survivors), survivors
     lost = [e for n in (0, 1) for e in agents.events(n, "node-lost")]
     assert lost and all(e["nodes"] == [2] for e in lost), agents.output(0) + agents.output(1)
     for n in (0, 1):                 # one agent noticed first; the other took its view

@@ -50,6 +50,7 @@ class NodeAgent(Membership):
         self.hellos: set[int] = set()            # nodes whose agents said hello to this one
         self.restarted = False                   # a peer knew this node's agent before this one
         self.seen = {n: time.monotonic() for n in self.nodes}
+        self.failing: dict[int, float] = {}      # node -> its first unanswered ask since an answer
         self.leaving: dict[int, float] = {}
         self.workers: dict[int, Worker] = {}
         self.restarts: dict[int, int] = {}

@@ -1,18 +1,9 @@
-"""How the agents of one job agree: hello at start, a view (generation, the active nodes in slot
-order) moved only forward, pushed at once and carried by every heartbeat, a node dropped when
-silent or leaving, idle nodes taken in, and the majority rule.  ``NodeAgent`` (agent.py) is the
-one subclass; it owns the workers.
+"""How the agents of one job agree: hello at start, the view (view.py's rules) pushed at once and
+carried by every heartbeat, a node dropped when silent or leaving, and the workers' questions.
+``NodeAgent`` (agent.py) is the one subclass; it owns the workers.
 
-A slot holds a node and ``nproc_per_node`` ranks, in slot order.  An idle node (a spare of
-``--spare-nodes``, or a dropped node whose agent said hello again) that has pinged within the
-grace is taken in: when a node is dropped, the lowest idle node takes its slot (same ranks, the
-world keeps its size); when the world is smaller than ``--nnodes``, the lowest node of the view
-appends one (a grow: the members keep their ranks, the newcomer's follow).
-
-A newer generation wins, less the nodes this agent dropped; an equal generation with other
-nodes takes the nodes both hold, one generation on.  A side keeps training only while it holds
-a strict majority of the last view's nodes, so a network split never leaves two worlds
-training; a spare that fills a slot does not count towards that majority.
+A peer is silent once an ask to it failed and nothing was heard from it for the grace: judged
+from failed asks, so an agent that itself stood still does not find every peer silent on resume.
 """
 
 from __future__ import annotations
@@ -22,28 +13,19 @@ import time
 
 from ..errors import LaunchError
 from . import wire
+from .view import JobEnd, View
+
+__all__ = ["JobEnd", "Membership"]
 
 HEARTBEAT_S = 0.5             # agents ask each other this often
 ASK_TIMEOUT_S = 2.0
 SETTLE_S = 1.0                # a peer's leave waits this long: if this agent is signalled too, it is a cancel
 
-
-class JobEnd(Exception):
-    """The job ends on this node with ``code`` (the message says why; LaunchError's when set)."""
-
-    def __init__(self, code: int, message: str, error: bool = True, fix: str | None = None,
-                 from_peer: bool = False) -> None:
-        super().__init__(message)
-        self.code, self.message, self.error, self.fix = code, message, error, fix
-        self.from_peer = from_peer      # another agent ended the job: it has told the others
-
-
 SAME_JOB_FIX = ("start every agent of a job with the same --rdzv-id, --nnodes, --nproc-per-node and host list, "
                 "and each with its own --node-rank")
 
 
-
-class Membership:
+class Membership(View):
     """The agreeing half of a node agent; the subclass sets the fields ``__init__`` of NodeAgent
     lists and implements ``_view_moved`` (stop replacements made stale by a newer generation)."""
 
@@ -83,14 +65,6 @@ class Membership:
                 return self._world_of(int(req.get("place", -1)))
         return {"error": f"unknown request {op!r}"}
 
-    def _view(self) -> dict:
-        with self.cond:
-            return {"generation": self.generation, "nodes": list(self.nodes), "node": self.node}
-
-    def _ping(self) -> dict:
-        """This agent's view, as it tells a peer (the answer is the peer's view)."""
-        return {"op": "ping", **self._view()}
-
     def _hello(self, req: dict) -> dict:
         o, mine, node = self.opts, self._identity(), req.get("node")
         why = next((f"the agent of node {node} has {key} {req.get(key)!r}, the agent of node {self.node} has "
@@ -104,6 +78,7 @@ class Membership:
         with self.cond:     # a dropped node's agent heard again is idle: the view may take it back
             self.seen[node] = time.monotonic()
             self.leaving.pop(node, None)
+            self.failing.pop(node, None)
             # An agent says hello once per life: a second hello from a member is a restarted agent.
             again, self.hellos = node in self.hellos and node in self.nodes, self.hellos | {node}
         return {"ok": True, "again": again, **self._view()}
@@ -148,98 +123,9 @@ class Membership:
         if silent:
             self._drop(silent, [], probed=True)
 
-    def _drop(self, silent: list[int], left: list[int], probed: bool = False) -> None:
-        with self.cond:
-            silent = [n for n in silent if n in self.nodes]
-            left = [n for n in left if n in self.nodes and n not in silent]
-            if not (silent or left) or self.signalled is not None or self.end is not None \
-                    or self.node not in self.nodes:      # an idle agent follows the members' view
-                return
-            quiet = "did not answer a probe (a worker was waiting)" if probed else \
-                f"silent for {self.opts.node_grace:g} s"
-            why = "; ".join([f"node {n} {quiet}" for n in silent] +
-                            [f"node {n} left" for n in left])
-            self.gone.update({n: time.monotonic() for n in silent + left})
-            for n in left:
-                self.leaving.pop(n, None)
-            idle, nodes = self._idle(), []
-            for n in self.nodes:        # the lowest idle node takes a lost node's slot
-                if n not in silent + left:
-                    nodes.append(n)
-                elif idle:
-                    nodes.append(idle.pop(0))
-                    why += f"; node {nodes[-1]} takes its slot"
-            self.events.emit("node-lost", why, nodes=silent + left)
-            self._move(self.generation + 1, nodes, why)
-
-    def _idle(self) -> list[int]:
-        """Caller holds the lock.  Nodes outside the view that may be taken in, lowest first."""
-        now = time.monotonic()
-        return [n for n in range(self.opts.all_nodes) if n not in self.nodes and not self._gone(n)
-                and n not in self.finished and n not in self.leaving
-                and now - self.seen.get(n, -1e9) <= self.opts.node_grace]
-
-    def _gone(self, n: int) -> bool:
-        """Dropped by this agent and not heard from since."""
-        return n in self.gone and self.seen.get(n, -1e9) <= self.gone[n]
-
-    def _take_idle(self) -> None:
-        """The lowest node of the view grows a world smaller than --nnodes by an idle node."""
-        with self.cond:
-            if self.end is not None or not self.nodes or self.nodes[0] != self.node \
-                    or len(self.nodes) >= self.opts.nnodes or any(n in self.nodes for n in self.leaving):
-                return
-            idle = self._idle()
-            if idle:
-                self._move(self.generation + 1, self.nodes + idle[:1], f"node {idle[0]} joins (grow)")
-
-    # -- the view ------------------------------------------------------------------------------
-    def _move(self, generation: int, nodes: list[int], why: str) -> None:
-        """Caller holds the lock.  Take a newer view and push it to every peer."""
-        before, kept = len(self.nodes), len(set(nodes) & set(self.nodes))
-        self.generation, self.nodes = generation, list(nodes)
-        if kept * 2 <= before and kept < before and self.node in self.nodes:
-            self.end = JobEnd(LaunchError.exit_code,
-                              f"{kept} of the last view's {before} nodes remain here, no majority: "
-                              "stopping, so that a split network never trains two worlds",
-                              fix="the side holding the majority goes on; check this node's network, then "
-                                  "start a new job (or add capacity to the running one with hd.grow)")
-        self.events.emit("view", f"generation {generation}, nodes {self.nodes} ({why})",
-                         generation=generation, nodes=self.nodes, why=why)
-        self.cond.notify_all()
-        if self.node in self.nodes:         # an idle agent follows; only members push views
-            threading.Thread(target=self._tell_peers, args=(self._ping(),), daemon=True).start()
-        self._view_moved(generation)
-
-    def _peers(self) -> list[int]:
-        with self.cond:
-            return [n for n in self.nodes if n != self.node and n not in self.finished]
-
-    def _contacts(self) -> list[int]:
-        """The view's nodes and the idle ones: who hears that this node leaves or finished."""
-        with self.cond:
-            return sorted(set(self._peers()) | {n for n in self._idle() if n != self.node})
-
-    def _merge(self, generation: int, nodes: list[int], sender) -> None:
-        with self.cond:
-            if sender is not None:
-                self.seen[sender] = time.monotonic()
-                if sender not in self.nodes and sender not in nodes:
-                    return          # an idle agent's view is only what it heard from the members
-            if self.node not in self.nodes and generation > self.generation:
-                self._move(generation, list(nodes), "the members' view")
-            elif generation > self.generation:
-                kept = [n for n in nodes if not self._gone(n)]
-                self._move(generation if kept == list(nodes) else generation + 1, kept, "a peer's view")
-            elif generation == self.generation and list(nodes) != self.nodes:
-                # Both sides compute the same result: the nodes both hold, in the smaller list's order.
-                first, other = sorted([list(nodes), self.nodes])
-                self._move(generation + 1, [n for n in first if n in other and not self._gone(n)],
-                           "views differed")
-
     def _greet(self) -> None:
         """Every peer must answer a hello (same job, nodes, workers, hosts) before workers start."""
-        o, deadline = self.opts, time.monotonic() + self.cfg.connect_timeout
+        deadline = time.monotonic() + self.cfg.connect_timeout
         hello = {"op": "hello", "node": self.node, **self._identity()}
         waiting = set(self._peers())
         while waiting:
@@ -280,11 +166,11 @@ class Membership:
                 reply = wire.ask(self.addrs[n], self.port, view, ASK_TIMEOUT_S)
                 self._merge(reply["generation"], reply["nodes"], n)
             except (wire.WireError, KeyError):
-                pass
+                with self.cond:
+                    self.failing.setdefault(n, time.monotonic())
             finally:
                 asking.discard(n)
 
-        last = time.monotonic()
         while self.end is None:
             view = self._ping()
             for n in self._peers():
@@ -293,13 +179,13 @@ class Membership:
                     threading.Thread(target=ask, args=(n, view), name=f"hpct-agent-ask-{n}", daemon=True).start()
             now = time.monotonic()
             with self.cond:
-                if now - last > self.opts.node_grace:
-                    # This agent itself stood still (paused, starved): its peers' silence is not
-                    # theirs.  They get a fresh grace, and the answers just asked for count.
-                    self.seen.update({n: now for n in self.nodes})
-                last = now
+                # Silent: asked and not answered (nor heard from) for the grace.  Judged from failed
+                # asks, not from the last answer's age: an agent that itself stood still (paused,
+                # starved of CPU) would otherwise find every peer silent when it resumes.
+                grace = self.opts.node_grace
                 silent = [n for n in self.nodes if n != self.node and n not in self.finished
-                          and n not in self.leaving and now - self.seen.get(n, now) > self.opts.node_grace]
+                          and n not in self.leaving and now - self.failing.get(n, now) > grace
+                          and now - self.seen.get(n, now) > grace]
                 left = [n for n, t in self.leaving.items() if now - t > SETTLE_S]
             self._drop(silent, left)
             self._take_idle()

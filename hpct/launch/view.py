@@ -1,0 +1,139 @@
+"""The view one node's agent holds of the job: a generation and the active nodes in slot order,
+and the rules that move it (membership.py has the requests and the loops that feed them).
+
+A slot holds a node and ``nproc_per_node`` ranks, in slot order.  An idle node (a spare of
+``--spare-nodes``, or a dropped node whose agent said hello again) that has pinged within the
+grace is taken in: when a node is dropped, the lowest idle node takes its slot (same ranks, the
+world keeps its size); when the world is smaller than ``--nnodes``, the lowest node of the view
+appends one (a grow: the members keep their ranks, the newcomer's follow).
+
+A newer generation wins, less the nodes this agent dropped; of two views of one generation both
+sides choose the smaller node list (one generation on), and a member left out follows it, idle.
+A side keeps training only while it holds a strict majority of the last view's nodes, so a
+network split never leaves two worlds training; a spare that fills a slot does not count
+towards that majority.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from ..errors import LaunchError
+
+
+class JobEnd(Exception):
+    """The job ends on this node with ``code`` (the message says why; LaunchError's when set)."""
+
+    def __init__(self, code: int, message: str, error: bool = True, fix: str | None = None,
+                 from_peer: bool = False) -> None:
+        super().__init__(message)
+        self.code, self.message, self.error, self.fix = code, message, error, fix
+        self.from_peer = from_peer      # another agent ended the job: it has told the others
+
+
+class View:
+    """The view half of a node agent (``Membership`` feeds it; ``NodeAgent`` owns the fields)."""
+
+    def _view(self) -> dict:
+        with self.cond:
+            return {"generation": self.generation, "nodes": list(self.nodes), "node": self.node}
+
+    def _ping(self) -> dict:
+        """This agent's view, as it tells a peer (the answer is the peer's view)."""
+        return {"op": "ping", **self._view()}
+
+    def _drop(self, silent: list[int], left: list[int], probed: bool = False) -> None:
+        with self.cond:
+            silent = [n for n in silent if n in self.nodes]
+            left = [n for n in left if n in self.nodes and n not in silent]
+            if not (silent or left) or self.signalled is not None or self.end is not None \
+                    or self.node not in self.nodes:      # an idle agent follows the members' view
+                return
+            quiet = "did not answer a probe (a worker was waiting)" if probed else \
+                f"silent for {self.opts.node_grace:g} s"
+            why = "; ".join([f"node {n} {quiet}" for n in silent] +
+                            [f"node {n} left" for n in left])
+            self.gone.update({n: time.monotonic() for n in silent + left})
+            for n in silent + left:
+                self.leaving.pop(n, None)
+                self.failing.pop(n, None)
+            idle, nodes = self._idle(), []
+            for n in self.nodes:        # the lowest idle node takes a lost node's slot
+                if n not in silent + left:
+                    nodes.append(n)
+                elif idle:
+                    nodes.append(idle.pop(0))
+                    why += f"; node {nodes[-1]} takes its slot"
+            self.events.emit("node-lost", why, nodes=silent + left)
+            self._move(self.generation + 1, nodes, why)
+
+    def _idle(self) -> list[int]:
+        """Caller holds the lock.  Nodes outside the view that may be taken in, lowest first."""
+        now = time.monotonic()
+        return [n for n in range(self.opts.all_nodes) if n not in self.nodes and not self._gone(n)
+                and n not in self.finished and n not in self.leaving
+                and now - self.seen.get(n, -1e9) <= self.opts.node_grace]
+
+    def _gone(self, n: int) -> bool:
+        """Dropped by this agent and not heard from since."""
+        return n in self.gone and self.seen.get(n, -1e9) <= self.gone[n]
+
+    def _take_idle(self) -> None:
+        """The lowest node of the view grows a world smaller than --nnodes by an idle node."""
+        with self.cond:
+            if self.end is not None or not self.nodes or self.nodes[0] != self.node \
+                    or len(self.nodes) >= self.opts.nnodes or any(n in self.nodes for n in self.leaving):
+                return
+            idle = self._idle()
+            if idle:
+                self._move(self.generation + 1, self.nodes + idle[:1], f"node {idle[0]} joins (grow)")
+
+    # -- the view ------------------------------------------------------------------------------
+    def _move(self, generation: int, nodes: list[int], why: str) -> None:
+        """Caller holds the lock.  Take a newer view and push it to every peer."""
+        before, kept = len(self.nodes), len(set(nodes) & set(self.nodes))
+        self.generation, self.nodes = generation, list(nodes)
+        if kept * 2 <= before and kept < before and self.node in self.nodes:
+            self.end = JobEnd(LaunchError.exit_code,
+                              f"{kept} of the last view's {before} nodes remain here, no majority: "
+                              "stopping, so that a split network never trains two worlds",
+                              fix="the side holding the majority goes on; check this node's network, then "
+                                  "start a new job (or add capacity to the running one with hd.grow)")
+        self.events.emit("view", f"generation {generation}, nodes {self.nodes} ({why})",
+                         generation=generation, nodes=self.nodes, why=why)
+        self.cond.notify_all()
+        if self.node in self.nodes:         # an idle agent follows; only members push views
+            threading.Thread(target=self._tell_peers, args=(self._ping(),), daemon=True).start()
+        self._view_moved(generation)
+
+    def _peers(self) -> list[int]:
+        with self.cond:
+            return [n for n in self.nodes if n != self.node and n not in self.finished]
+
+    def _contacts(self) -> list[int]:
+        """The view's nodes and the idle ones: who hears that this node leaves or finished."""
+        with self.cond:
+            return sorted(set(self._peers()) | {n for n in self._idle() if n != self.node})
+
+    def _merge(self, generation: int, nodes: list[int], sender) -> None:
+        nodes = list(nodes)
+        with self.cond:
+            if sender is not None:
+                self.seen[sender] = time.monotonic()
+                self.failing.pop(sender, None)
+                if sender not in nodes:
+                    return          # an idle agent's view: only the members' views count
+            if generation < self.generation or (generation == self.generation and nodes == self.nodes):
+                return
+            why = "a peer's view"
+            if generation == self.generation and self.node in self.nodes:
+                # Two views of one generation: both sides choose the same one, the smaller list.
+                nodes, why = min(nodes, self.nodes), "views differed"
+                if nodes == self.nodes:
+                    return
+            if self.node not in nodes or self.node not in self.nodes:
+                self._move(generation, nodes, "the members' view")   # idle, or leaving: followed as it is
+                return
+            kept = [n for n in nodes if not self._gone(n)]
+            self._move(generation if kept == nodes and why == "a peer's view" else generation + 1, kept, why)
