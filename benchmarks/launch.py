@@ -191,10 +191,10 @@ def run_hpct(tmp: Path, nodes: int, nproc: int, standby: int, args, ns, tag: str
         try:
             agents.start()
             alive = lambda: all(p.poll() is None for p in agents.procs)   # noqa: E731
-            for n in range(nodes + spares) if standby or spares else ():
-                if standby or n >= nodes:        # a spare keeps one standby per local rank
-                    agents.wait_event(n, "standby", max(1.0, deadline - time.monotonic()),
-                                      count=nproc if n >= nodes else 1)
+            for n in range(nodes + spares):
+                ready = nproc if n >= nodes else standby     # a spare keeps one standby per local rank
+                if ready:
+                    agents.wait_event(n, "standby", max(1.0, deadline - time.monotonic()), count=ready)
             _wait_progress(out, victim, args.kill_step, deadline, alive, what)
             pids = {r: agents.worker_pid(r // nproc, r) for r in range(world)}
             if node_loss:

@@ -50,6 +50,11 @@ def _config(hosts) -> Config:
     return Config.from_mapping(env)
 
 
+def _places(plan, size: int) -> list[int]:
+    """Every rank's plan place in the current world (rank r at place r unless it shrank)."""
+    return list(plan) if plan is not None else list(range(size))
+
+
 def plan_for(world_size: int, current: list[int], plan_ranks=None) -> list[int]:
     """Plan places of the grown world: the members keep theirs, joiners take the given ones or
     those after the highest place in use."""
@@ -80,7 +85,7 @@ def membership_changed() -> bool:
         newest = agent_link.peek(cfg, world.plan_rank(rank))["plan_ranks"]
     except RendezvousError:
         newest = None           # this node left the view: the members' new world goes on without it
-    flag = torch.tensor([int(newest != (list(plan) if plan is not None else list(range(size))))])
+    flag = torch.tensor([int(newest != _places(plan, size))])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
@@ -96,18 +101,15 @@ def grow(world_size: int | None = None, *, hosts: list[str] | None = None, plan_
                           fix="start the job with hd.init_process_group() before growing it")
     cfg = world._config()
     if (world_size, hosts, plan_ranks) == (None, None, None) and cfg.agent_port is not None:
-        formed = world.generation()
-        new = agent_link.new_world(cfg, world.plan_rank(rank), formed)
+        rank, world_size, generation, places = world.agent_world(cfg, rank, world.generation())
         world.shutdown_all()      # a step boundary: every group is idle and closes gracefully
-        identity = new["plan_ranks"] == list(range(new["world_size"]))
-        return world.init_process_group(new["rank"], new["world_size"], timeout=timeout, config=cfg,
-                                        generation=max(new["generation"], world.next_generation()),
-                                        plan_ranks=None if identity else new["plan_ranks"])
+        return world.init_process_group(rank, world_size, timeout=timeout, config=cfg, generation=generation,
+                                        plan_ranks=places)
     if not isinstance(world_size, int) or world_size <= size:
         raise HpctArgumentError(f"grow: world_size={world_size!r} must be an integer above the current "
                                 f"world size {size}, nothing changed",
                                 fix="pass the size after admitting the joiners (shrink() makes it smaller)")
-    current = list(plan) if plan is not None else list(range(size))
+    current = _places(plan, size)
     places = plan_for(world_size, current, plan_ranks)
     cfg = _config(hosts)
     for r in range(size, world_size):

@@ -412,16 +412,21 @@ def recover(world_size: int | None = None, rank: int | None = None, *, generatio
     if ask_agent and cfg.agent_port is not None:
         # Started by `hpct run`: its agent knows who was lost and the generation to meet in.
         formed = _state.formed if _state.formed is not None else _current_generation() - 1
-        world = agent_link.new_world(cfg, plan_rank(rank), formed)
-        rank, world_size = world["rank"], world["world_size"]
-        generation = max(world["generation"], next_generation())
-        plan_ranks = world["plan_ranks"] if world["plan_ranks"] != list(range(world_size)) else None
+        rank, world_size, generation, plan_ranks = agent_world(cfg, rank, formed)
     if generation is None:
         # One target per recovery, kept by a failed attempt: ranks that start recovering
         # seconds apart meet in it.  A peer seen in a newer generation wins.
         generation = next_generation()
     return init_process_group(rank, world_size, timeout=timeout, config=cfg, generation=generation,
                               plan_ranks=plan_ranks)
+
+
+def agent_world(cfg: Config, rank: int, formed: int) -> tuple[int, int, int, list[int] | None]:
+    """(rank, world size, generation, plan_ranks or None for rank r at place r) of the world that
+    ``hpct run``'s agent holds after the one formed in ``formed`` (recover() and grow() ask it)."""
+    world = agent_link.new_world(cfg, plan_rank(rank), formed)
+    plan = world["plan_ranks"] if world["plan_ranks"] != list(range(world["world_size"])) else None
+    return world["rank"], world["world_size"], max(world["generation"], next_generation()), plan
 
 
 def group_monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) -> None:

@@ -25,7 +25,7 @@ from ..config import VARIABLES, Config
 from ..errors import LaunchError
 from . import wire
 from .events import EventLog
-from .membership import JobEnd, Membership
+from .membership import ASK_TIMEOUT_S, JobEnd, Membership
 from .options import STOP_GRACE_S, RunOptions
 from .workers import Pool, Worker, stop, tail
 
@@ -174,26 +174,21 @@ class NodeAgent(Membership):
         self.active = False
         workers, self.workers = list(self.workers.values()), {}
         stop([w.proc for w in workers], STOP_GRACE_S)
-        hello = {"op": "hello", "node": self.node, **self._identity()}
-        for n in self._peers():
-            try:
-                wire.ask(self.addrs[n], self.port, hello, 2.0)
-            except wire.WireError:
-                pass
+        self._tell_peers(self._hello_request())
         self._idle_wait()
         self.pool.fill()
 
     def _idle_over(self) -> bool:
         """An idle node ends with the job: every member finished, or none answers any more."""
+        if self._others_finished():
+            return True
+        limit = self.opts.node_grace + 4 * ASK_TIMEOUT_S
         with self.cond:
-            members = [n for n in self.nodes if n != self.node]
-            if all(n in self.finished for n in members):
-                return True
-            now = time.monotonic()
-            quiet = all(now - self.seen.get(n, now) > self.opts.node_grace + 4 * 2.0 for n in members)
+            members, now = [n for n in self.nodes if n != self.node], time.monotonic()
+            quiet = all(self._silent(n, now, limit) for n in members)
         if quiet:
             raise JobEnd(LaunchError.exit_code, f"no node of the view {members} answered this idle node "
-                         f"for {self.opts.node_grace + 8:g} s", fix="the job ended or this node lost its "
+                         f"for {limit:g} s", fix="the job ended or this node lost its "
                          "network: check the members' event logs")
         return False
 
@@ -216,11 +211,8 @@ class NodeAgent(Membership):
                     return 0
                 time.sleep(POLL_S)
                 continue
-            lost = []
-            with self.cond:
-                others_done = len(self.nodes) > 1 and all(n in self.finished for n in self.nodes if n != self.node)
+            lost, others_done = [], self._others_finished()
             for local, w in list(self.workers.items()):
-                code = w.proc.poll()
                 if others_done and not w.joined and w.generation > 0:
                     # A newcomer (grow, spare, replacement) whose world can no longer form.
                     stop([w.proc], STOP_GRACE_S)
@@ -228,6 +220,7 @@ class NodeAgent(Membership):
                                      "finished before it joined", rank=w.rank, code=0)
                     del self.workers[local]
                     continue
+                code = w.proc.poll()
                 if code is None:
                     continue
                 if code == 0:

@@ -83,6 +83,9 @@ class Membership(View):
             again, self.hellos = node in self.hellos and node in self.nodes, self.hellos | {node}
         return {"ok": True, "again": again, **self._view()}
 
+    def _hello_request(self) -> dict:
+        return {"op": "hello", "node": self.node, **self._identity()}
+
     def _identity(self) -> dict:
         o = self.opts
         return {"run_id": o.run_id, "nnodes": o.nnodes, "spare_nodes": o.spare_nodes,
@@ -126,7 +129,7 @@ class Membership(View):
     def _greet(self) -> None:
         """Every peer must answer a hello (same job, nodes, workers, hosts) before workers start."""
         deadline = time.monotonic() + self.cfg.connect_timeout
-        hello = {"op": "hello", "node": self.node, **self._identity()}
+        hello = self._hello_request()
         waiting = set(self._peers())
         while waiting:
             for n in sorted(waiting):
@@ -182,14 +185,22 @@ class Membership(View):
                 # Silent: asked and not answered (nor heard from) for the grace.  Judged from failed
                 # asks, not from the last answer's age: an agent that itself stood still (paused,
                 # starved of CPU) would otherwise find every peer silent when it resumes.
-                grace = self.opts.node_grace
                 silent = [n for n in self.nodes if n != self.node and n not in self.finished
-                          and n not in self.leaving and now - self.failing.get(n, now) > grace
-                          and now - self.seen.get(n, now) > grace]
+                          and n not in self.leaving and self._silent(n, now, self.opts.node_grace)]
                 left = [n for n, t in self.leaving.items() if now - t > SETTLE_S]
             self._drop(silent, left)
             self._take_idle()
             time.sleep(HEARTBEAT_S)
+
+    def _silent(self, n: int, now: float, limit: float) -> bool:
+        """Caller holds the lock.  An ask to ``n`` failed and nothing was heard from it for ``limit``."""
+        return now - self.failing.get(n, now) > limit and now - self.seen.get(n, now) > limit
+
+    def _others_finished(self) -> bool:
+        """Every other node of the view finished (this node may still be running newcomers)."""
+        with self.cond:
+            others = [n for n in self.nodes if n != self.node]
+            return bool(others) and all(n in self.finished for n in others)
 
     def _tell_peers(self, message: dict, to: list[int] | None = None) -> None:
         for n in self._peers() if to is None else to:
