@@ -26,6 +26,7 @@ extern "C" {
 #define NCCL_ROOTLESS_API_VERSION 1
 #define NCCL_ROOTLESS_SYMBOL "ncclCommInitRankRootless"
 #define NCCL_ROOTLESS_ID_SYMBOL "ncclRootlessUniqueId"
+#define NCCL_RAISE_ABORT_FLAG_SYMBOL "ncclCommRaiseAbortFlag"
 /* Default for connectTimeoutMs <= 0: five minutes, hpct's HPCT_CONNECT_TIMEOUT default. */
 #define NCCL_ROOTLESS_DEFAULT_TIMEOUT_MS 300000
 
@@ -52,8 +53,15 @@ ncclResult_t  ncclCommInitRankRootless(ncclComm_t* comm, int nranks, int rank,
 ncclResult_t pncclCommInitRankRootless(ncclComm_t* comm, int nranks, int rank,
                                        const ncclRootlessInfo_t* info, ncclConfig_t* config);
 
+/* Raise comm's abort flags and nothing else (no lock, no teardown, no CUDA call): a thread held
+ * inside a blocking call on comm returns, after which ncclCommAbort may run without a call beside
+ * it, as NCCL's fault-tolerance contract asks.  The comm stays allocated until ncclCommAbort. */
+ncclResult_t  ncclCommRaiseAbortFlag(ncclComm_t comm);
+ncclResult_t pncclCommRaiseAbortFlag(ncclComm_t comm);
+
 typedef ncclResult_t (*ncclCommInitRankRootless_t)(ncclComm_t*, int, int, const ncclRootlessInfo_t*, ncclConfig_t*);
 typedef ncclResult_t (*ncclRootlessUniqueId_t)(const ncclRootlessInfo_t*, int, ncclUniqueId*);
+typedef ncclResult_t (*ncclCommRaiseAbortFlag_t)(ncclComm_t);
 
 #ifdef __cplusplus
 }
