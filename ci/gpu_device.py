@@ -2,7 +2,7 @@
 """The device side of the GPU proof: check the machine, install from the pack, run the proof.
 
     python3 ci/gpu_device.py preflight [--from DIR] [--json FILE]
-    python3 ci/gpu_device.py run [--from DIR] [--work DIR] [--phase smoke|proof|more|overhead|held|all]
+    python3 ci/gpu_device.py run [--from DIR] [--work DIR] [--phase smoke|proof|more|overhead|held|faults|speed|start|all]
                                  [--report DIR] [--budget-s SECONDS] [--mps]
 
 Nothing is built here: the pack (ci/gpu_pack.py, made on the CPU machine) carries the patched
@@ -56,7 +56,17 @@ PHASES = {
 # Where a small op's time goes (run under MPS: without it the ranks' kernels take turns on the GPU)
 PHASES["overhead"] = [_T + "test_launch_overhead_table[4]", _T + "test_launch_overhead_table[2]"]
 PHASES["held"] = [_T + "test_a_blocking_launch_held_by_a_silent_peer_is_ended_at_the_op_timeout"]
+# Issue 38's fault paths and issue 39's speed: a graph capture, a failed init (no MPS needed);
+# the DDP step and the recovery breakdown (under MPS, as the issue's tables).
+PHASES["faults"] = [_T + "test_a_captured_all_reduce_replays_and_the_engine_shuts_down_within_seconds",
+                    _T + "test_a_failed_init_frees_its_slot_for_the_next_generation"] + PHASES["held"]
+PHASES["speed"] = [_T + "test_ddp_step_table_against_stock", _T + "test_recovery_breakdown_table",
+                   _T + "test_launch_overhead_table[4]", _T + "test_launch_overhead_table[2]"]
 PHASES["all"] = PHASES["smoke"] + PHASES["proof"]
+# A session's first call, before its changes: the exact collectives and the timing table (the
+# DDP SIGKILL and the bandwidth table cost a minute and do not change with the engine's
+# fault path), then the fault paths that need no MPS.
+PHASES["start"] = (PHASES["smoke"] + [PHASES["proof"][0], PHASES["proof"][2]] + PHASES["faults"][:2])
 
 
 # ------------------------------------------------------------------------------ the machine
@@ -365,10 +375,10 @@ ctypes.CDLL("libnccl.so.2").ncclGetVersion(ctypes.byref(v))
 out = {"mapped": proof_settings.mapped_libnccl(), "torch_nccl": list(torch.cuda.nccl.version()),
        "runtime_nccl": [v.value // 10000, v.value // 100 % 100, v.value % 100]}
 try:
-    try:     # the engine split moved load() into nccl_find; older wheels keep it in nccl_lib
+    try:
+        from hpct.distributed.nccl.find import load
+    except ImportError:     # a wheel from before the engine became a package (a session's first proof)
         from hpct.distributed.nccl_find import load
-    except ImportError:
-        from hpct.distributed.nccl_lib import load
     lib = load()
     out.update(hpct_path=os.path.realpath(lib.path), hpct_how=lib.how, hpct_version=lib.version,
                rootless=lib.has_rootless)

@@ -31,7 +31,7 @@ DEFAULT_HOSTS = ("127.0.0.1",)
 # Gloo's ring (2(N-1) hops): below it DDP stays bit-identical to stock Gloo, as users compare.
 DEFAULT_LOG_ALLREDUCE_FROM = 16
 MAX_PORT = 65535
-NCCL_LIBRARY_VAR = "HPCT_NCCL_LIBRARY"   # read by hpct.distributed.nccl_lib and hpct doctor
+NCCL_LIBRARY_VAR = "HPCT_NCCL_LIBRARY"   # read by hpct.distributed.nccl.library and hpct doctor
 
 
 @dataclass(frozen=True)
@@ -79,9 +79,10 @@ VARIABLES: tuple[Var, ...] = (
         help="libnccl.so.2 with ncclCommInitRankRootless for CUDA tensors; default: the one torch loaded, "
              "when it is hpct's"),
     Var("HPCT_NCCL_BLOCKING", "nccl_blocking", "bool", True,
-        help="1 (default): CUDA ops launch on a blocking NCCL communicator, formed on a helper thread "
-             "and bounded by the watchdog; 0: a non-blocking one (NCCL starts a thread per launch, "
-             "60-100 us more per small op)"),
+        help="1 (default): CUDA ops launch on a blocking NCCL communicator when the libnccl has "
+             "ncclCommRaiseAbortFlag (hpct's series; a held call is then ended by NCCL's rules), else on a "
+             "non-blocking one; 0: always non-blocking (NCCL starts a thread per launch, 60-100 us more "
+             "per small op)"),
     Var("HPCT_GENERATION", "generation", "int", 0, 0, (1 << 31) - 1,
         help="membership generation a process starts in (a replacement joins at the survivors' next one)"),
     Var("HPCT_PLAN_PLACES", "plan_places", "places", None,

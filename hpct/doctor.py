@@ -33,6 +33,7 @@ from .requirements import (TORCH_PATCHED_PIN, install_fix, nccl_fix, pip_command
 TORCH_PIN = TORCH_PATCHED_PIN           # DESIGN.md's PyTorch pin (the stock CPU pin: hpct.requirements)
 NCCL_PIN = "2.21.5"                     # what PyTorch 2.6.0 pins
 ROOTLESS_SYMBOL = "ncclCommInitRankRootless"
+RAISE_ABORT_SYMBOL = "ncclCommRaiseAbortFlag"     # hpct's NCCL patch: blocking comms abort by NCCL's rules
 SERIES_FILE = Path(__file__).with_name("_series.json")
 PROBE_TIMEOUT_S = 30.0
 
@@ -225,7 +226,8 @@ import ctypes, json, sys
 lib = ctypes.CDLL(sys.argv[1])
 v = ctypes.c_int(0)
 rc = lib.ncclGetVersion(ctypes.byref(v))
-print(json.dumps({"rc": rc, "code": v.value, "rootless": hasattr(lib, sys.argv[2])}))
+print(json.dumps({"rc": rc, "code": v.value, "rootless": hasattr(lib, sys.argv[2]),
+                  "raise_abort": hasattr(lib, sys.argv[3])}))
 """
 
 
@@ -266,7 +268,7 @@ def find_libnccl(probe: Probe) -> list[tuple[str, str]]:
 def probe_libnccl(path: str, timeout: float = PROBE_TIMEOUT_S) -> dict:
     """Load ``path`` in a child and return {"rc", "code", "rootless"}; raises RuntimeError."""
     try:
-        done = subprocess.run([sys.executable, "-c", _NCCL_PROBE, path, ROOTLESS_SYMBOL],
+        done = subprocess.run([sys.executable, "-c", _NCCL_PROBE, path, ROOTLESS_SYMBOL, RAISE_ABORT_SYMBOL],
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"loading {path} did not finish within {timeout:g} s") from None
@@ -442,9 +444,18 @@ def torch_nccl_pin(torch) -> str | None:
     return None
 
 
+class _RaiseAbort:
+    """What forming.comm_kind asks of a library, from the probe's answer."""
+
+    def __init__(self, has: bool):
+        self.has_raise_abort = has
+
+
 def check_nccl_for_hpct(probe: Probe, torch) -> Row:
-    """Which libnccl torch loads and which one hpct's CUDA half uses (nccl_lib's rule)."""
-    from .distributed import nccl_find, nccl_lib
+    """Which libnccl torch loads and which one hpct's CUDA half uses (nccl_lib's rule), and which
+    kind of communicator that library gives hpct's groups (forming.comm_kind's rule)."""
+    from .distributed.nccl import find as nccl_find, library as nccl_lib
+    from .distributed.nccl.library import comm_kind
     cuda = getattr(getattr(torch, "version", None), "cuda", None) if torch is not None else None
     if probe.nccl_paths is not None:
         torch_lib = probe.nccl_paths[0] if probe.nccl_paths else None
@@ -461,7 +472,7 @@ def check_nccl_for_hpct(probe: Probe, torch) -> Row:
         if r.get("rc"):
             return {"path": path, "error": f"ncclGetVersion returned error {r['rc']}"}
         return {"path": path, "version": nccl_version_text(r["code"]), "patched": bool(r["rootless"]),
-                "series_id": _series_near(path)}
+                "raise_abort": bool(r.get("raise_abort")), "series_id": _series_near(path)}
 
     t = facts(torch_lib)
     explicit = probe.env.get(nccl_lib.LIBRARY_VAR, "")
@@ -499,6 +510,9 @@ def check_nccl_for_hpct(probe: Probe, torch) -> Row:
         status, fix = ("warn" if not cuda else "fail"), f"point {nccl_lib.LIBRARY_VAR} at a working libnccl.so.2"
     elif h["patched"]:
         status, fix = "ok", None
+        kind, why = comm_kind(_RaiseAbort(h["raise_abort"]), probe.env.get("HPCT_NCCL_BLOCKING", "") != "0")
+        h["comm_kind"], h["comm_kind_why"] = kind, why
+        detail += f"; CUDA groups use {kind} communicators ({why})"
     else:
         status, fix = ("info" if not cuda else "warn"), advice
         detail += " (no ncclCommInitRankRootless: hpct's CUDA groups cannot start)"

@@ -13,7 +13,7 @@ import threading
 import pytest
 
 import nccl_sim
-from hpct.distributed.nccl_engine import NcclEngine
+from hpct.distributed.nccl.engine import NcclEngine
 from hpct.ports import free_port_block
 from nccl_sim.library import SimNccl
 from nccl_sim.runtime import SimRuntime

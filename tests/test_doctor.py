@@ -534,13 +534,33 @@ def test_a_libnccl_that_cannot_load_is_read_from_its_symbol_table(good, tmp_path
 # ---------------------------------------------------------------- which libnccl hpct's CUDA half uses
 @pytest.mark.unit
 def test_nccl_for_hpct_uses_torchs_patched_library(good, rootless_nccl):
+    """A patched libnccl from before ncclCommRaiseAbortFlag: hpct uses it, with non-blocking
+    communicators (a held blocking call could not be ended by NCCL's rules), and says so."""
     row = doctor.check_nccl_for_hpct(good, fake_torch())
     assert row.status == "ok", row
     assert row.detail == (f"torch: {rootless_nccl} (NCCL 2.21.5, patched); hpct: {rootless_nccl} "
-                          "(NCCL 2.21.5, patched) via the one torch loads")
+                          "(NCCL 2.21.5, patched) via the one torch loads; CUDA groups use non-blocking "
+                          "communicators (this libnccl lacks ncclCommRaiseAbortFlag, so a held blocking call "
+                          "could not be ended by NCCL's rules; install hpct's NCCL build for blocking comms)")
     doc = doctor.as_json([row])
-    assert doc["nccl"]["hpct"] == {"path": rootless_nccl, "version": "2.21.5", "patched": True,
-                                   "series_id": None, "how": "the one torch loads", "matches_torch_pin": None}
+    assert doc["nccl"]["hpct"] == {"path": rootless_nccl, "version": "2.21.5", "patched": True, "raise_abort": False,
+                                   "series_id": None, "how": "the one torch loads", "matches_torch_pin": None,
+                                   "comm_kind": "non-blocking", "comm_kind_why": doc["nccl"]["hpct"]["comm_kind_why"]}
+
+
+@pytest.mark.unit
+def test_nccl_for_hpct_says_which_communicators_the_library_gives(good, tmp_path):
+    """With ncclCommRaiseAbortFlag (hpct's current series) the groups get blocking comms, unless
+    HPCT_NCCL_BLOCKING=0 asks for non-blocking ones."""
+    lib = _c_library(tmp_path, "libnccl_flag", "int ncclGetVersion(int *v) { *v = 23007; return 0; }\n"
+                                                "int ncclCommInitRankRootless(void) { return 0; }\n"
+                                                "int ncclCommRaiseAbortFlag(void *c) { return 0; }\n")
+    row = doctor.check_nccl_for_hpct(with_(good, nccl_paths=[lib]), fake_torch())
+    assert row.detail.endswith("; CUDA groups use blocking communicators (held calls are woken by "
+                               "ncclCommRaiseAbortFlag before ncclCommAbort)"), row.detail
+    off = doctor.check_nccl_for_hpct(with_(good, nccl_paths=[lib], env={**good.env, "HPCT_NCCL_BLOCKING": "0"}),
+                                     fake_torch())
+    assert off.detail.endswith("; CUDA groups use non-blocking communicators (HPCT_NCCL_BLOCKING=0)"), off.detail
 
 
 @pytest.mark.unit
@@ -550,8 +570,8 @@ def test_nccl_for_hpct_stock_torch_library_falls_back_to_the_variable(good, real
     probe = with_(good, nccl_paths=[real_nccl], env={**good.env, "HPCT_NCCL_LIBRARY": rootless_nccl})
     row = doctor.check_nccl_for_hpct(probe, fake_torch())
     assert row.status == "ok"
-    assert row.detail == (f"torch: {real_nccl} (NCCL 2.21.5, stock); hpct: {rootless_nccl} "
-                          "(NCCL 2.21.5, hpct series n7) via HPCT_NCCL_LIBRARY")
+    assert row.detail.startswith(f"torch: {real_nccl} (NCCL 2.21.5, stock); hpct: {rootless_nccl} "
+                                 "(NCCL 2.21.5, hpct series n7) via HPCT_NCCL_LIBRARY; CUDA groups use ")
     assert row.data["torch"]["patched"] is False and row.data["hpct"]["series_id"] == "n7"
 
 

@@ -4,7 +4,7 @@ The NCCL engine settles its futures on a daemon thread (the completer).  If that
 torch's C++ with the GIL released (a future's set_result, an event's synchronize) when the
 interpreter finalizes, CPython ends it with pthread_exit on its way back, and unwinding through
 C++ noexcept frames aborts the process ("terminate called without an active exception", exit 134).
-nccl_watchdog stops and joins every engine's threads at exit.
+nccl/watchdog.py stops and joins every engine's threads at exit.
 
 The child runs the engine's own code over a null NCCL and a null CUDA runtime (every call succeeds
 at once; futures are torch's CPU futures, whose set_result is the same C++ path).  What this proves:
@@ -14,55 +14,24 @@ for a real event's synchronize (a kernel that never ends keeps its thread there 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.nccl_sim
+TESTS = Path(__file__).resolve().parent          # the child imports the null doubles from tests/nccl_sim
 
 CHILD = r'''
-import contextlib, sys
+import sys
 import torch, torch.distributed as dist
-from hpct.distributed import nccl_lib
-from hpct.distributed.nccl_engine import NcclEngine
+from hpct.distributed.nccl import library as nccl_lib
+from hpct.distributed.nccl.engine import NcclEngine
+from nccl_sim.null import NullNccl, NullRuntime
 
-class Event:
-    pass
-
-class NullRuntime:
-    device_type = "cpu"
-    def available(self): return True
-    def describe(self): return "null runtime"
-    def default_device(self): return torch.device("cpu")
-    def new_stream(self, dev): return object()
-    def handle(self, stream): return 0
-    def follow(self, stream, dev): pass
-    @contextlib.contextmanager
-    def on(self, dev, stream): yield
-    def bind(self, dev, stream): pass
-    def enqueue(self, dev, stream, fn): fn()
-    def record(self, stream): return Event()
-    def done(self, event): return True
-    def host_wait(self, event): pass
-    def stream_wait(self, dev, event): pass
-    def capturing(self, dev): return False
-    def future(self, dev): return torch.futures.Future()
-
-class NullNccl:
-    version = 23007
-    def require_rootless(self): pass
-    def error(self, code, what, comm=None): return nccl_lib.NcclError(f"{what}: {code}")
-    def check(self, code, what, comm=None, *, allow_in_progress=False): return code
-    def comm_init_rootless(self, n, rank, spec, *, blocking=False): return 1, nccl_lib.SUCCESS
-    def async_error(self, comm): return nccl_lib.SUCCESS
-    def abort(self, comm): return 0
-    def destroy(self, comm): return 0
-    def group_start(self): pass
-    def group_end(self): return nccl_lib.IN_PROGRESS
-    def all_reduce(self, *args): return 0
-
-lib = NullNccl()
+lib = NullNccl(group_end_result=nccl_lib.IN_PROGRESS)     # non-blocking: each launch settles
 eng = NcclEngine(rank=0, size=1, global_ranks=[0], generation=0, group_index=0, group_name="exit",
                  listen_addr="127.0.0.1:1", addresses=["127.0.0.1:1"], job_key=1, connect_timeout=5,
                  op_timeout=30, library=lib, load=lambda: lib, runtime=NullRuntime())
@@ -79,6 +48,7 @@ def test_exit_during_a_burst_of_completions_is_clean():
     # Without the stop at exit this aborted in 3 of 4 runs of 2000 ops on the 2-core CI machine.
     for attempt in range(4):
         proc = subprocess.run([sys.executable, "-P", "-c", CHILD, "2000"], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(TESTS)},
                               timeout=120)
         assert proc.returncode == 0 and "exiting without shutdown" in proc.stdout, \
             (attempt, proc.returncode, proc.stderr[-2000:])

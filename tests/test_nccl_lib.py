@@ -1,4 +1,4 @@
-"""The NCCL binding (hpct.distributed.nccl_lib) and the engine's CPU-side behaviour, on the real
+"""The NCCL binding (hpct.distributed.nccl.library) and the engine's CPU-side behaviour, on the real
 library: NVIDIA's nvidia-nccl-cu12==2.21.5 wheel (unzipped from ~/.cache/hpct into a temp dir),
 and hpct's patched build when HPCT_NCCL_LIBRARY (or third_party/build) names one.  No GPU and no
 fake NCCL: what needs a device is in tests/gpu (ci/gpu.sh)."""
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from hpct.config import Config
 from hpct.errors import HpctArgumentError, HpctError, TransportError
-from hpct.distributed import nccl_engine, nccl_find, nccl_lib
+from hpct.distributed.nccl import engine as nccl_engine, find as nccl_find, library as nccl_lib
 from util import REPO
 
 pytestmark = pytest.mark.unit

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 from hpct.errors import CollectiveError, HpctArgumentError
-from hpct.distributed import nccl_comm, nccl_lib, nccl_watchdog
-from hpct.distributed.nccl_work import NcclAbortedError, NcclGroupError
+from hpct.distributed.nccl import comm as nccl_comm, library as nccl_lib, watchdog as nccl_watchdog
+from hpct.distributed.nccl.work import NcclAbortedError, NcclGroupError
 from nccl_sim.library import REMOTE_ERROR, SimNccl
 from nccl_sim.runtime import capture, drain
 from sim_ranks import Ranks, no_breach  # noqa: F401 -- a fixture
@@ -208,8 +208,9 @@ def test_abort_is_ncclCommAbort_alone_and_ends_a_stuck_launch(no_breach, blockin
     """Defects 3 and 5: abort during a launch that NCCL never takes returns at once from
     another thread (no engine lock held across the wait), calls ncclCommAbort and no revoke
     (revoke then abort walks the group job revoke freed), and the launch fails.  On a blocking
-    comm the launch holds the comm's lock inside NCCL: abort waits ABORT_LOCK_S for it, then
-    aborts without it (what NCCL's abort flag is for)."""
+    comm the launch holds the comm's lock inside NCCL: abort raises the abort flag alone, the
+    held call returns, and ncclCommAbort runs under the lock with no call beside it (the
+    library calls an abort beside a call a breach)."""
     lib = SimNccl(stuck_launch=True)
     ranks = Ranks(2, lib=lib, op_timeout=120.0, blocking=blocking)
     works = {}
@@ -223,13 +224,14 @@ def test_abort_is_ncclCommAbort_alone_and_ends_a_stuck_launch(no_breach, blockin
     took = time.monotonic() - t0
     runner.join(10)
     assert not runner.is_alive(), "the launching threads did not return after the abort"
-    assert took < 3.0 + (2 * nccl_comm.ABORT_LOCK_S if blocking else 0), took
+    assert took < 3.0, took
     for r, e in enumerate(ranks.engines):
         assert isinstance(e.failure, NcclAbortedError)
         with pytest.raises(NcclAbortedError):
             works[r].wait()
         calls = [c for _, c in ranks.comm(r).calls]
         assert "ncclCommAbort" in calls and "ncclCommRevoke" not in calls, calls
+        assert ranks.comm(r).flag.is_set() == blocking      # the held call was woken by the flag
     ranks.close()
 
 
@@ -273,11 +275,11 @@ def test_settle_polls_and_yields_without_sleeping(monkeypatch):
 
     for k in (0, 1, 37, nccl_comm.SPIN_POLLS):
         sleeps.clear(), yields.clear()
-        assert nccl_comm.Communicator(Lib(k), 1, "test").settle(60.0) == nccl_lib.SUCCESS
+        assert nccl_comm.Communicator(Lib(k), "test").settle(60.0) == nccl_lib.SUCCESS
         assert (len(yields), sleeps) == (k, [])
     sleeps.clear(), yields.clear()
     k = nccl_comm.SPIN_POLLS + 40
-    assert nccl_comm.Communicator(Lib(k), 1, "test").settle(60.0) == nccl_lib.SUCCESS
+    assert nccl_comm.Communicator(Lib(k), "test").settle(60.0) == nccl_lib.SUCCESS
     assert len(yields) == k and len(sleeps) == 40 and max(sleeps) <= nccl_comm.MAX_BACKOFF_S
 
 
@@ -391,7 +393,7 @@ def test_a_plain_collective_never_reaches_the_completer_and_its_buffers_go_after
         w = e.allreduce([out])
         staging = weakref.ref(next(t for t in w._keep if t is not out))
         w.wait()
-        assert w._raw is None and not w._queued
+        assert w._raw is None and all(q is not w for q in e._watchers._queue)
         del w
         end = time.monotonic() + 5
         while staging() is not None and time.monotonic() < end:
@@ -420,16 +422,21 @@ def test_ops_launched_into_a_graph_capture_are_never_polled(no_breach):
     work is completed at launch (as ProcessGroupNCCL does) and the watchdog and the completer
     leave it alone."""
     ranks = Ranks(2)
+    together = threading.Barrier(2)             # the ranks (threads here) capture together
 
     def body(r, e):
         e.allreduce([torch.ones(1)]).wait()
+        together.wait(10)
         with capture():
             w = e.allreduce([torch.ones(2)])
+            together.wait(10)
+        together.wait(10)
         assert w.get_future().done()
         time.sleep(0.3)                       # watchdog ticks and the completer run meanwhile
         w.wait()
         return True
     assert ranks.run(body) == [True, True]
+    ranks.lib.release_graphs()                # the graph is destroyed: NCCL may free the comm
     ranks.close()
 
 
@@ -465,7 +472,7 @@ def test_a_blocking_launch_that_nccl_holds_is_ended_by_the_watchdog_at_the_op_ti
     for took, text, failure in out:
         assert failure == "NcclOpTimeoutError", out
         assert "NCCL did not take the launch within the op timeout (1 s)" in text, text
-        assert took < 1.0 + nccl_comm.ABORT_LOCK_S + 2.0, took
+        assert took < 1.0 + 2.0, took
     for r in range(2):
         calls = [c for _, c in ranks.comm(r).calls]
         assert "ncclCommAbort" in calls and "ncclCommRevoke" not in calls, calls
@@ -474,8 +481,8 @@ def test_a_blocking_launch_that_nccl_holds_is_ended_by_the_watchdog_at_the_op_ti
 
 def test_a_blocking_init_past_its_deadline_is_given_up_and_its_comm_aborted_when_it_comes(no_breach):
     """The blocking init runs on a helper thread: the caller stops waiting at the connect
-    deadline plus the op timeout with the reason, and the comm NCCL hands over later is
-    aborted by the helper (never leaked, never used)."""
+    deadline plus the op timeout with the reason, raises the comm's abort flag (the init
+    returns) and aborts the comm under its lock (never leaked, never used)."""
     lib = SimNccl(init_delay=2.5)
     ranks = Ranks(2, lib=lib, connect_timeout=0.5, op_timeout=0.5, blocking=True)
 

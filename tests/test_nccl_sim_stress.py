@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from hpct.distributed import nccl_watchdog
+from hpct.distributed.nccl import watchdog as nccl_watchdog
 from hpct.errors import CollectiveError
 from nccl_sim.library import REMOTE_ERROR, SimNccl
 from sim_ranks import Ranks, no_breach  # noqa: F401 -- a fixture

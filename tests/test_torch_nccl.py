@@ -36,8 +36,8 @@ def _drop_in():
 def test_import_torch_maps_hpcts_libnccl_and_reports_2_30_7():
     dist = _drop_in()
     import torch
-    from hpct.distributed.nccl_find import exports, torch_loaded_libnccl
-    from hpct.distributed.nccl_lib import NcclLibrary
+    from hpct.distributed.nccl.find import exports, torch_loaded_libnccl
+    from hpct.distributed.nccl.library import NcclLibrary
     assert torch.version.cuda is not None, "this check needs a CUDA build of torch"
     mapped = torch_loaded_libnccl()
     assert mapped is not None, "import torch mapped no libnccl"
@@ -81,7 +81,7 @@ def test_the_gpu_proofs_settings_leave_torch_one_libnccl_the_packs(tmp_path):
     first device run found, torch 2.11); with the overlay first on PYTHONPATH only the pack's is."""
     import shutil
     import torch
-    from hpct.distributed.nccl_find import torch_loaded_libnccl
+    from hpct.distributed.nccl.find import torch_loaded_libnccl
     if torch.version.cuda is None:
         pytest.skip("a CPU torch maps no libnccl: the torch tier's CUDA torch 2.15 runs this")
     theirs = torch_loaded_libnccl()

@@ -269,7 +269,7 @@ def device_engines() -> list:
         return ENGINES_OVERRIDE
     if not _serves_cuda():
         return []
-    from .nccl_engine import engine_for_group
+    from .nccl.engine import engine_for_group
     return [("cuda", engine_for_group)]
 
 

@@ -21,6 +21,8 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 WORKER = Path(__file__).with_name("worker.py")
+FAULTS = Path(__file__).with_name("worker_faults.py")
+SPEED = Path(__file__).with_name("worker_speed.py")
 RANKS = [int(n) for n in os.environ.get("GPU_PROOF_RANKS", "2 4").split()]
 
 
@@ -32,18 +34,21 @@ def settings() -> dict:
         pytest.fail(str(err))
 
 
-def run_ranks(n: int, mode: str, timeout: float = 120.0) -> list[str]:
+def run_ranks(n: int, mode: str, timeout: float = 120.0, worker: Path = WORKER, **extra: str) -> list[str]:
     base = free_port_block(16 * n)                         # both blocks of the plan (8 slots each)
-    master = free_port_block(1, avoid=range(base, base + 16 * n))
-    master2 = free_port_block(1, avoid=[*range(base, base + 16 * n), master])   # stock's recovery store
+    taken = list(range(base, base + 16 * n))
+    stores = []
+    for _ in range(5):                                     # the start-up store and four more (recoveries)
+        stores.append(free_port_block(1, avoid=taken))
+        taken.append(stores[-1])
     procs = []
     for r in range(n):
         env = {**os.environ, **settings(), "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r),
                "LOCAL_WORLD_SIZE": str(n), "N_PROC_PER_NODE": str(n), "HPCT_PORT_BASE": str(base),
                "NCCL_HOSTID": f"hpct-gpu-proof-{r}", "NCCL_SOCKET_IFNAME": "lo",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "MASTER_PORT_2": str(master2),
-               "GPU_PROOF_MODE": mode}
-        procs.append(subprocess.Popen([sys.executable, "-P", str(WORKER)], env=env, text=True,
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(stores[0]), "MASTER_PORT_2": str(stores[1]),
+               "MASTER_PORTS": ",".join(map(str, stores[1:])), "GPU_PROOF_MODE": mode, **extra}
+        procs.append(subprocess.Popen([sys.executable, "-P", str(worker)], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outs = []
     for p in procs:
@@ -97,7 +102,8 @@ def test_launch_overhead_table(n):
 def test_a_blocking_launch_held_by_a_silent_peer_is_ended_at_the_op_timeout():
     """The risk of blocking comms (the default): a launch NCCL holds.  The last rank stops
     (SIGSTOP) after forming the comm; rank 0's first all_reduce waits in ncclGroupEnd for the lazy
-    connect.  The watchdog must fail the group at the op timeout and its abort end the call."""
+    connect.  The watchdog fails the group at the op timeout and raises the comm's abort flag;
+    the held call returns, and only then ncclCommAbort runs (the comm's trace says when)."""
     outs = run_ranks(2, "held", timeout=90)
     line = next((ln for o in outs for ln in o.splitlines() if ln.startswith("HELD")), "")
     report = Path(os.environ.get("GPU_PROOF_REPORT", "build/gpu-proof"))
@@ -107,6 +113,62 @@ def test_a_blocking_launch_held_by_a_silent_peer_is_ended_at_the_op_timeout():
     took = float(line.split(": ", 1)[1].split(" s", 1)[0])
     assert "unexpected" not in line and "Error" in line, line
     assert took < proof_settings.HELD_OP_TIMEOUT_S + proof_settings.HELD_SLACK_S, line
+    # Issue 38: ended through the abort flag, and ncclCommAbort only after the call returned.
+    assert "flag first: True" in line and "abort beside the call: False" in line, line
+
+
+def report(name: str, text: str) -> None:
+    folder = Path(os.environ.get("GPU_PROOF_REPORT", "build/gpu-proof"))
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(text)
+    print(text)
+
+
+def test_a_captured_all_reduce_replays_and_the_engine_shuts_down_within_seconds():
+    """Issue 38 item 7: capture right after warm-up ops, replay, barrier, an eager op after a
+    replay, shutdown while the graph lives (bounded, and says why it cannot free the comm yet),
+    then the comm is freed once the graph is deleted."""
+    outs = run_ranks(2, "graph", timeout=150, worker=FAULTS)
+    table = "\n".join(ln for o in outs for ln in o.splitlines() if ln.startswith("GRAPH"))
+    report("graph-2.txt", table + "\n")
+    assert table.count("del graph") == 2, outs
+
+
+def test_a_failed_init_frees_its_slot_for_the_next_generation():
+    """Issue 38 item 3: a blocking init that fails (its ring never closes) aborts the comm NCCL
+    left allocated, so recover() forms the next generation on the same slot at once."""
+    outs = run_ranks(2, "initfail", timeout=120, worker=FAULTS)
+    table = "\n".join(ln for o in outs for ln in o.splitlines() if ln.startswith("INITFAIL"))
+    report("initfail-2.txt", table + "\n")
+    assert table.count("recover on the same slot") == 2, outs
+
+
+def test_ddp_step_table_against_stock():
+    """Issue 39: a DDP step of a ~25 M-parameter transformer, 4 ranks, stock and hpct in one run."""
+    rows = []
+    rounds = int(os.environ.get("DDP_ROUNDS", "2"))
+    for stack in ("stock", "hpct") * rounds:                   # interleaved: drift shows
+        outs = run_ranks(4, "ddpstep", timeout=120, worker=SPEED, DDP_STACK=stack, CUBLAS_WORKSPACE_CONFIG=":4096:8")
+        rows += [ln for o in outs for ln in o.splitlines() if ln.startswith("DDPSTEP")]
+    med = {s: [float(r.split("median_ms=")[1].split()[0]) for r in rows if f"stack={s} " in r]
+           for s in ("stock", "hpct")}
+    digests = {r.split("digest=")[1].strip() for r in rows}
+    ratio = min(med["hpct"]) / min(med["stock"])
+    report("ddpstep-4.txt", "\n".join(rows) + f"\nDDPSTEP n=4 hpct/stock median step (best of {rounds} each): "
+                                            f"{ratio:.4f} (target <= 1.01); parameter digests equal: "
+                                            f"{len(digests) == 1}\n")
+    assert len(digests) == 1, rows
+
+
+def test_recovery_breakdown_table():
+    """Issue 39: where a GPU recovery's time goes, phase by phase, with NCCL's own init timings."""
+    outs = run_ranks(4, "recovery", timeout=180, worker=SPEED, NCCL_DEBUG="INFO",
+                     NCCL_DEBUG_SUBSYS="INIT,BOOTSTRAP,ENV", NCCL_DEBUG_TIMESTAMP_LEVELS="WARN,INFO")
+    table = [ln for o in outs for ln in o.splitlines() if ln.startswith("RECOVERY")]
+    nccl = [ln for ln in outs[0].splitlines() if "Init timings" in ln or "Bootstrap timings" in ln
+            or "hpct rootless bootstrap" in ln or "Abort COMPLETE" in ln]
+    report("recovery-4.txt", "\n".join(table + ["NCCL (rank 0):"] + nccl[-24:]) + "\n")
+    assert any("hpct/stock recovery" in ln for ln in table), outs
 
 
 # DDP on CUDA through the hpct backend (its NCCL engine) against torch's own NCCL, and the

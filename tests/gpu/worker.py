@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from hpct.config import Config
-from hpct.distributed.nccl_engine import engine_for_group
+from hpct.distributed.nccl.engine import engine_for_group
 
 # -P keeps the script's folder off sys.path; the settings sit beside it.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -183,15 +183,26 @@ elif mode == "held":
         os._exit(0)                      # continued by rank 0 once it is done
     time.sleep(1.0)
     t0 = time.perf_counter()
+    m0 = time.monotonic()
     try:
         heng.allreduce([torch.ones(1, device=dev)], R.SUM).wait()
         torch.cuda.synchronize()
         outcome = "completed (unexpected: the peer is stopped)"
     except Exception as err:   # noqa: BLE001 -- reported
-        outcome = f"{type(err).__name__}: {err}"
+        outcome = f"{type(err).__name__}: {str(err).splitlines()[0]}"
     took = time.perf_counter() - t0
+    returned = time.monotonic()
+    comm = heng._comm
+    end = time.monotonic() + 15
+    while not comm.freed and time.monotonic() < end:       # the watchdog's abort, after the call returned
+        time.sleep(0.01)
+    steps = "; ".join(f"{what} at {t - m0:.3f} s" for t, what in comm.trace)
+    order = [what for _, what in comm.trace]
+    concurrent = any(what == "ncclCommAbort called" and t < returned for t, what in comm.trace)
     os.kill(pids[n - 1], signal.SIGCONT)
-    print(f"HELD n={n} rank {rank}: {took:.2f} s: {outcome}", flush=True)
+    print(f"HELD n={n} rank {rank}: {took:.2f} s: {outcome} | the call returned at {returned - m0:.3f} s; "
+          f"{steps} | flag first: {order[:1] == ['abort flag raised']}; abort beside the call: {concurrent}",
+          flush=True)
     os._exit(0)
 elif mode == "overhead":
     # Where a small op's time goes.  Under MPS (2026-11-26, H200) hpct's 4 B all_reduce took
@@ -199,8 +210,8 @@ elif mode == "overhead":
     # thread each time (group.cc, "nonblocking group"); torch's comms are blocking, and so are the
     # engine's by default since 2026-11-27.  Same library, same pins, one table: stock, the
     # engine on both kinds of comm, and the bare calls on a non-blocking and on a blocking comm.
-    from hpct.distributed import nccl_find, nccl_lib
-    from hpct.distributed.nccl_engine import job_key, nccl_addresses
+    from hpct.distributed.nccl import find as nccl_find, library as nccl_lib
+    from hpct.distributed.nccl.engine import job_key, nccl_addresses
     lib = nccl_find.load()
     stream = torch.cuda.Stream(dev)
     sh = stream.cuda_stream
@@ -277,7 +288,7 @@ elif mode == "overhead":
     lines += [f"OVERHEAD n={n}  {w:44s} {a:9.1f} {b:11.1f}" for w, (a, b) in rows]
 
     # What the engine's own steps cost on this machine, one at a time (no collective).
-    from hpct.distributed.nccl_work import NcclWork
+    from hpct.distributed.nccl.work import NcclWork
 
     def each(fn, iters=2000):
         fn()

@@ -1,6 +1,6 @@
 """A test double of NCCL and of the CUDA runtime, for the NCCL engine's simulation tier (-m nccl_sim).
 
-The NCCL engine (hpct/distributed/nccl_engine.py and its parts) talks to two worlds it does
+The NCCL engine (hpct/distributed/nccl/engine.py and its parts) talks to two worlds it does
 not own: the NCCL library and the CUDA runtime.  This package is a simulated pair of them for
 CPU tensors, so that CI runs the engine's own code -- futures, locking, lifecycle, error paths,
 DDP, recovery -- on a machine without a GPU:
@@ -67,7 +67,7 @@ def install(**faults) -> None:
     """Route the CPU tensors of every hpct group made from now on to the NCCL engine over the
     simulated library and runtime (the test-only switch).  ``faults`` go to SimNccl."""
     from hpct.distributed import world
-    from hpct.distributed.nccl_engine import engine_for_group
+    from hpct.distributed.nccl.engine import engine_for_group
 
     from .library import SimNccl
     from .runtime import SimRuntime

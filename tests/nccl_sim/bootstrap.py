@@ -43,17 +43,27 @@ def _recv(sock: socket.socket):
     return json.loads(_recv_exact(sock, n))
 
 
-def ring_addresses(rank: int, nranks: int, listen: str, nxt: str, *, job_key: int, generation: int,
-                   deadline: float, retry_s: float, aborted) -> list[str]:
-    """Every rank's address in rank order; RingError at the deadline or when ``aborted()``."""
-    if nranks == 1:
-        return [listen]
+def listen(addr: str) -> socket.socket:
+    """The fixed-port listener of a rank (its owner closes it)."""
     srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        srv.bind(split_addr(listen))
+        srv.bind(split_addr(addr))
         srv.listen(4)
-        srv.settimeout(0.05)
+    except OSError as err:
+        srv.close()
+        raise RingError(f"cannot listen on {addr}: {err}") from None
+    srv.settimeout(0.05)
+    return srv
+
+
+def ring_addresses(rank: int, nranks: int, listen: str, nxt: str, srv, *, job_key: int, generation: int,
+                   deadline: float, retry_s: float, aborted) -> list[str]:
+    """Every rank's address in rank order, over ``srv`` (listening on ``listen``; the caller
+    owns it); RingError at the deadline or when ``aborted()``."""
+    if nranks == 1:
+        return [listen]
+    try:
         out = _connect(split_addr(nxt), deadline, retry_s, aborted)
         with out:
             _send(out, {"job": job_key, "gen": generation, "rank": rank})
@@ -72,8 +82,6 @@ def ring_addresses(rank: int, nranks: int, listen: str, nxt: str, *, job_key: in
                     raise RingError("the ring's last word was not 'done'")
     except OSError as err:
         raise RingError(f"{type(err).__name__}: {err}") from None
-    finally:
-        srv.close()
     return [book[r] for r in range(nranks)]
 
 

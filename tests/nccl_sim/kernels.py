@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from hpct.distributed import nccl_lib
+from hpct.distributed.nccl import library as nccl_lib
 
 from .runtime import HANG_S
 

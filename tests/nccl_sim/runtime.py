@@ -1,4 +1,4 @@
-"""The simulated CUDA runtime: the same methods as hpct.distributed.nccl_device.CudaRuntime.
+"""The simulated CUDA runtime: the same methods as hpct.distributed.nccl.device.CudaRuntime.
 
 A stream is a thread that runs what is enqueued on it, in order; an event completes when its
 stream reaches it.  The caller's current stream is the host itself: what the caller did is
@@ -21,7 +21,6 @@ HANG_S = 300.0            # a host wait longer than this is a hang in the test, 
 IDLE_S = 1.0              # a stream's thread ends after this long with nothing to run
 _ids = itertools.count(1)
 STREAMS: dict[int, "SimStream"] = {}
-_capture = threading.local()
 
 
 class SimStream:
@@ -67,6 +66,19 @@ class SimEvent:
         self._done.set()
 
 
+def _check_query(event: SimEvent, call: str) -> None:
+    """The capture rules of a host query (cudaEventQuery / cudaEventSynchronize)."""
+    if event.captured:
+        raise breach(f"{call} on an event recorded during a CUDA graph capture "
+                     "(cudaErrorStreamCaptureUnsupported: the capture is invalidated)")
+    me = threading.get_ident()
+    others = [t for t, mode in list(CAPTURES.items()) if t != me and mode == "global"]
+    if others and not getattr(_helper, "thread_local", False):
+        raise breach(f"{call} from a thread in global capture mode while another thread captures a CUDA graph "
+                     "in global mode: CUDA fails the call and invalidates that capture (helper threads must "
+                     "use thread-local capture mode, as ProcessGroupNCCL's watchdog does)")
+
+
 class SimRuntime:
     """The engine's view of a device, simulated on the CPU."""
 
@@ -81,39 +93,37 @@ class SimRuntime:
     def default_device(self) -> torch.device:
         return torch.device("cpu")
 
-    def new_stream(self, dev) -> SimStream:
-        return SimStream()
+    def new_stream(self, dev):
+        s = SimStream()
+        return s, s.id
 
-    def handle(self, stream: SimStream) -> int:
-        return stream.id
-
-    def follow(self, stream, dev) -> None:
+    def follow(self, stream: int, dev) -> None:
         pass                               # the caller's work so far is done: it ran on the host
 
     @contextlib.contextmanager
     def on(self, dev, stream):
         yield
 
-    def bind(self, dev, stream) -> None:
-        pass                               # no current stream to set: the host is the caller's stream
+    def helper(self, dev) -> None:
+        _helper.thread_local = True        # cuThreadExchangeStreamCaptureMode(THREAD_LOCAL)
 
     def enqueue(self, dev, stream: SimStream, fn) -> None:
         stream.put(fn)
 
-    def record(self, stream: SimStream) -> SimEvent:
+    def record(self, stream: int) -> SimEvent:
         ev = SimEvent(self.capturing(None))
-        stream.put(ev.complete)
+        STREAMS[stream].put(ev.complete)
         return ev
 
+    def release(self, event: SimEvent) -> None:
+        pass
+
     def done(self, event: SimEvent) -> bool:
-        if event.captured:
-            raise breach("cudaEventQuery on an event recorded during a CUDA graph capture "
-                         "(cudaErrorStreamCaptureUnsupported: the capture is invalidated)")
+        _check_query(event, "cudaEventQuery")
         return event._done.is_set()
 
     def host_wait(self, event: SimEvent) -> None:
-        if event.captured:
-            raise breach("cudaEventSynchronize on an event recorded during a CUDA graph capture")
+        _check_query(event, "cudaEventSynchronize")
         if not event._done.wait(HANG_S):
             raise breach(f"a host wait on an event did not end within {HANG_S:g} s (a hang)")
 
@@ -122,20 +132,29 @@ class SimRuntime:
             self.host_wait(event)
 
     def capturing(self, dev) -> bool:
-        return getattr(_capture, "on", False)
+        return threading.get_ident() in CAPTURES
 
-    def future(self, dev) -> torch.futures.Future:
+    def future(self) -> torch.futures.Future:
         return torch.futures.Future()
+
+    def capability(self, dev) -> tuple[int, int]:
+        return CAPABILITY
+
+
+CAPABILITY = (9, 0)                       # the simulated device's compute capability (tests change it)
+CAPTURES: dict[int, str] = {}            # capturing thread -> its capture mode
+_helper = threading.local()
 
 
 @contextlib.contextmanager
-def capture():
-    """Ops issued inside are launched as if into a CUDA graph capture on this thread."""
-    _capture.on = True
+def capture(mode: str = "global"):
+    """Ops issued inside are launched as if into a CUDA graph capture on this thread, in
+    ``mode`` (torch.cuda.graph's default is global)."""
+    CAPTURES[threading.get_ident()] = mode
     try:
         yield
     finally:
-        _capture.on = False
+        CAPTURES.pop(threading.get_ident(), None)
 
 
 def drain(seconds: float = 10.0) -> None:

@@ -21,13 +21,16 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import NCCL_LIBRARY_VAR
-from ..errors import HpctArgumentError, TransportError
+from ...config import NCCL_LIBRARY_VAR
+from ...errors import HpctArgumentError, TransportError
 
 LIBRARY_VAR = NCCL_LIBRARY_VAR
 ROOTLESS_SYMBOL = "ncclCommInitRankRootless"
 ROOTLESS_ID_SYMBOL = "ncclRootlessUniqueId"
 REVOKE_SYMBOL = "ncclCommRevoke"
+# hpct's NCCL patch (0004 on 2.30.7, 0003 on 2.21.5): raise a comm's abort flags alone, so that a
+# call NCCL holds returns before ncclCommAbort runs under the comm's lock (NCCL's abort contract).
+RAISE_ABORT_SYMBOL = "ncclCommRaiseAbortFlag"
 ROOTLESS_FIX = ("install hpct's nvidia-nccl wheel (hpct-build wheel nccl) or set HPCT_NCCL_LIBRARY "
                 "to a patched libnccl.so.2")
 
@@ -95,7 +98,7 @@ RESULT_ERRORS: dict[int, type[NcclError]] = {
     cls.code: cls for cls in (NcclUnhandledCudaError, NcclSystemError, NcclInternalError,
                               NcclInvalidArgumentError, NcclInvalidUsageError, NcclRemoteError,
                               NcclInProgressError, NcclTimeoutError)}
-SUCCESS, IN_PROGRESS = 0, 7
+SUCCESS, INVALID_ARGUMENT, IN_PROGRESS = 0, 4, 7
 
 
 class NcclLibraryError(TransportError):
@@ -187,6 +190,7 @@ FUNCTIONS: dict[str, tuple] = {
     "ncclCommAbort": (_I, [c_comm], True),
     "ncclCommFinalize": (_I, [c_comm], False),
     REVOKE_SYMBOL: (_I, [c_comm, _I], False),
+    RAISE_ABORT_SYMBOL: (_I, [c_comm], False),
     "ncclCommGetAsyncError": (_I, [c_comm, ctypes.POINTER(_I)], True),
     "ncclCommCount": (_I, [c_comm, ctypes.POINTER(_I)], True),
     "ncclCommCuDevice": (_I, [c_comm, ctypes.POINTER(_I)], True),
@@ -208,6 +212,19 @@ def version_text(code: int) -> str:
     if code >= 10000:
         return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
     return f"{code // 1000}.{code // 100 % 10}.{code % 100}"
+
+
+BLOCKING, NONBLOCKING = "blocking", "non-blocking"
+
+
+def comm_kind(lib, asked_blocking: bool) -> tuple[str, str]:
+    """(kind, why) of the comms an engine forms with ``lib`` (doctor shows ``why``)."""
+    if not asked_blocking:
+        return NONBLOCKING, "HPCT_NCCL_BLOCKING=0"
+    if lib.has_raise_abort:
+        return BLOCKING, f"held calls are woken by {RAISE_ABORT_SYMBOL} before ncclCommAbort"
+    return NONBLOCKING, (f"this libnccl lacks {RAISE_ABORT_SYMBOL}, so a held blocking call could not "
+                         "be ended by NCCL's rules; install hpct's NCCL build for blocking comms")
 
 
 # ---------------------------------------------------------------------------- the library
@@ -268,6 +285,11 @@ class NcclLibrary:
     def has_revoke(self) -> bool:
         return self.has(REVOKE_SYMBOL)
 
+    @property
+    def has_raise_abort(self) -> bool:
+        """hpct's ncclCommRaiseAbortFlag: blocking comms can then be aborted by NCCL's rules."""
+        return self.has(RAISE_ABORT_SYMBOL)
+
     def require_rootless(self) -> None:
         if not self.has_rootless:
             raise NcclRootlessMissingError(
@@ -320,22 +342,36 @@ class NcclLibrary:
         # All 128 bytes: reading the c_char array field would stop at the first NUL byte.
         return ctypes.string_at(ctypes.addressof(uid), ctypes.sizeof(uid))
 
-    def comm_init_rootless(self, nranks: int, rank: int, spec: RootlessSpec, *, blocking: bool = False):
-        """Start creating a rootless communicator on the current CUDA device.
+    def init_rootless(self, box, nranks: int, rank: int, spec: RootlessSpec, *, blocking: bool) -> int:
+        """ncclCommInitRankRootless into ``box`` (a ``c_comm``); its result, never raised.
 
-        Returns (comm handle, result): with ``blocking=False`` the result may be
-        ncclInProgress; poll ``async_error(comm)`` until it is not (nccl_engine does).
-        """
+        NCCL sets ``*box`` before the init runs, so another thread can read the handle during a
+        blocking init (to raise its abort flag); after a failure the comm stays allocated for
+        the caller to abort (comm.py does)."""
         self.require_rootless()
         if not 0 <= rank < nranks:
             raise HpctArgumentError(f"rootless NCCL: rank {rank} is outside a communicator of {nranks}",
-                                fix="pass the group rank (0 <= rank < nranks)")
-        info, config, comm = spec.info(), make_config(blocking), c_comm()
-        rc = self.call(ROOTLESS_SYMBOL, ctypes.byref(comm), nranks, rank, ctypes.byref(info),
-                       ctypes.byref(config))
-        self.check(rc, f"ncclCommInitRankRootless(rank {rank} of {nranks}, listen {spec.listen_addr}, "
-                       f"next {spec.next_addr}, generation {spec.generation}, group {spec.group_index})",
-                   comm if comm.value else None, allow_in_progress=True)
+                                    fix="pass the group rank (0 <= rank < nranks)")
+        info, config = spec.info(), make_config(blocking)
+        return self.call(ROOTLESS_SYMBOL, ctypes.byref(box), nranks, rank, ctypes.byref(info), ctypes.byref(config))
+
+    @staticmethod
+    def init_what(rank: int, nranks: int, spec: RootlessSpec) -> str:
+        return (f"ncclCommInitRankRootless(rank {rank} of {nranks}, listen {spec.listen_addr}, "
+                f"next {spec.next_addr}, generation {spec.generation}, group {spec.group_index})")
+
+    def comm_init_rootless(self, nranks: int, rank: int, spec: RootlessSpec, *, blocking: bool = False):
+        """Start creating a rootless communicator on the current CUDA device (for callers
+        outside the engine: the proof's bare comms, tests).  Returns (comm handle, result):
+        with ``blocking=False`` the result may be ncclInProgress; poll ``async_error(comm)``.
+        A failed init's comm is aborted here before the error is raised."""
+        comm = c_comm()
+        rc = self.init_rootless(comm, nranks, rank, spec, blocking=blocking)
+        if rc not in (SUCCESS, IN_PROGRESS):
+            err = self.error(rc, self.init_what(rank, nranks, spec), comm if comm.value else None)
+            if comm.value:
+                self.abort(comm)
+            raise err
         return comm, rc
 
     def async_error(self, comm) -> int:
@@ -352,12 +388,21 @@ class NcclLibrary:
     def revoke(self, comm) -> int:
         return self.call(REVOKE_SYMBOL, comm, 0)
 
-    def group_start(self) -> None:
-        self.check(self.call("ncclGroupStart"), "ncclGroupStart")
+    def raise_abort(self, comm) -> int:
+        """Raise the comm's abort flags and nothing else (hpct's patch; no lock needed)."""
+        return self.call(RAISE_ABORT_SYMBOL, comm)
+
+    def fn(self, name: str):
+        """The function an op's call runs: ``fn(*args, comm, stream)`` returns the ncclResult_t
+        (the raw ctypes function: no Python layer per call on the hot path)."""
+        return self._fn[_OP_FUNCTIONS[name]]
+
+    def group_start(self) -> int:
+        return self._fn["ncclGroupStart"]()
 
     def group_end(self) -> int:
-        """ncclGroupEnd; ncclInProgress (a nonblocking comm) is returned, not raised."""
-        return self.check(self.call("ncclGroupEnd"), "ncclGroupEnd", allow_in_progress=True)
+        """ncclGroupEnd's result, not raised (ncclInProgress on a nonblocking comm)."""
+        return self._fn["ncclGroupEnd"]()
 
     # Collectives: buffers are device pointers (ints), stream a cudaStream_t (int).
     def all_reduce(self, send, recv, count, dtype, op, comm, stream):
@@ -380,6 +425,13 @@ class NcclLibrary:
 
     def recv(self, buf, count, dtype, peer, comm, stream):
         return self.call("ncclRecv", buf, count, dtype, peer, comm, stream)
+
+
+# An op's call names (ops.py) and the NCCL function each runs.
+CALLS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "send", "recv")
+_OP_FUNCTIONS = {"all_reduce": "ncclAllReduce", "broadcast": "ncclBroadcast", "reduce": "ncclReduce",
+                 "all_gather": "ncclAllGather", "reduce_scatter": "ncclReduceScatter", "send": "ncclSend",
+                 "recv": "ncclRecv"}
 
 
 # ---------------------------------------------------------------------------- torch mapping

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..errors import HpctArgumentError
-from . import nccl_lib
+from ...errors import HpctArgumentError
+from . import library as nccl_lib
 
 
 def _contig(t: torch.Tensor) -> torch.Tensor:
@@ -37,13 +37,34 @@ def _copies(pairs):
     return post
 
 
+FP8_MIN_SM = 90          # NCCL refuses float8 reductions below sm_90 (enqueue.cc, "FP8 reduction")
+
+
+def code_of_float8(dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 class NcclOps:
-    """Mixed into NcclEngine, which provides _submit, _dt, _op, rank, size and runtime."""
+    """Mixed into NcclEngine, which provides _submit, rank, size, runtime and the codes."""
+
+    def _capability(self, t: torch.Tensor) -> int:
+        """The device's compute capability as 90 for sm_90, asked once."""
+        cap = self._codes.get("sm")
+        if cap is None:
+            major, minor = self.runtime.capability(t.device)
+            cap = self._codes["sm"] = major * 10 + minor
+        return cap
 
     # ---- collectives ------------------------------------------------------------------------
     def allreduce(self, tensors, op=dist.ReduceOp.SUM):
         if len(tensors) != 1:
             return self.allreduce_coalesced(tensors, op)
+        t = tensors[0]
+        dt = self._codes.get(t.dtype)             # known only for real dtypes (never complex)
+        if dt is not None and self._fns and t.is_contiguous():      # DDP's buckets: no staging
+            p = t.data_ptr()
+            calls = [(self._fns["all_reduce"], (p, p, t.numel(), dt, self._op(op, t)))]
+            return self._submit("allreduce", tensors, calls, tensors)
         return self._reduce_all("allreduce", tensors, op)
 
     def allreduce_coalesced(self, tensors, op=dist.ReduceOp.SUM):
@@ -55,7 +76,7 @@ class NcclOps:
         calls = []
         for b in bufs:
             v = _real(b)
-            calls.append(("all_reduce", (v.data_ptr(), v.data_ptr(), v.numel(), self._dt(v), self._op(op, b))))
+            calls.append((self._fns["all_reduce"], (v.data_ptr(), v.data_ptr(), v.numel(), self._dt(v), self._op(op, b))))
         return self._submit(what, tensors, calls, tensors, keep=bufs, post=_copies(zip(tensors, bufs)))
 
     def broadcast(self, tensors, root: int, root_tensor: int = 0):
@@ -63,7 +84,7 @@ class NcclOps:
         self._begin("broadcast", [t])
         b = _contig(t)
         v = _real(b)
-        calls = [("broadcast", (v.data_ptr(), v.data_ptr(), v.numel(), self._dt(v), root))]
+        calls = [(self._fns["broadcast"], (v.data_ptr(), v.data_ptr(), v.numel(), self._dt(v), root))]
         return self._submit("broadcast", [t], calls, tensors, keep=[b], post=_copies([(t, b)]),
                             peer=root if root != self.rank else None)
 
@@ -71,7 +92,7 @@ class NcclOps:
         self._begin("reduce", [tensor])
         b = _contig(tensor)
         v = _real(b)
-        calls = [("reduce", (v.data_ptr(), v.data_ptr(), v.numel(), self._dt(v), self._op(op, b), root))]
+        calls = [(self._fns["reduce"], (v.data_ptr(), v.data_ptr(), v.numel(), self._dt(v), self._op(op, b), root))]
         return self._submit("reduce", [tensor], calls, [tensor], keep=[b], post=_copies([(tensor, b)]))
 
     def all_gather_single(self, output, input):
@@ -86,7 +107,7 @@ class NcclOps:
         calls = []
         for o, i in zip(outs, ins):
             o, i = _real(o), _real(i)
-            calls.append(("all_gather", (i.data_ptr(), o.data_ptr(), i.numel(), self._dt(i))))
+            calls.append((self._fns["all_gather"], (i.data_ptr(), o.data_ptr(), i.numel(), self._dt(i))))
         return self._submit(what, [*outputs, *inputs], calls, outputs if result is None else result,
                             keep=outs + ins, post=_copies([*zip(outputs, outs), *post_pairs]))
 
@@ -115,7 +136,7 @@ class NcclOps:
         calls = []
         for o, i, t in zip(outs, ins, outputs):
             o, i = _real(o), _real(i)
-            calls.append(("reduce_scatter", (i.data_ptr(), o.data_ptr(), o.numel(), self._dt(o), self._op(op, t))))
+            calls.append((self._fns["reduce_scatter"], (i.data_ptr(), o.data_ptr(), o.numel(), self._dt(o), self._op(op, t))))
         return self._submit(what, [*outputs, *inputs], calls, outputs, keep=[*outs, *ins, *keep],
                             post=_copies(zip(outputs, outs)), pre=pre)
 
@@ -137,8 +158,8 @@ class NcclOps:
         calls = []
         for peer, ((so, sc), (ro, rc)) in enumerate(zip(self._parts(input, in_splits),
                                                         self._parts(output, out_splits))):
-            calls.append(("send", (i.data_ptr() + so * esz, sc * per_elem, dt, peer)))
-            calls.append(("recv", (o.data_ptr() + ro * esz, rc * per_elem, dt, peer)))
+            calls.append((self._fns["send"], (i.data_ptr() + so * esz, sc * per_elem, dt, peer)))
+            calls.append((self._fns["recv"], (o.data_ptr() + ro * esz, rc * per_elem, dt, peer)))
         return self._submit("all_to_all_single", [output, input], calls, [output], keep=[out, inp],
                             post=_copies([(output, out)]))
 
@@ -179,7 +200,7 @@ class NcclOps:
             for p, t in pairs:
                 b = _contig(t)
                 v = _real(b)
-                calls.append((method, (v.data_ptr(), v.numel(), self._dt(v), p)))
+                calls.append((self._fns[method], (v.data_ptr(), v.numel(), self._dt(v), p)))
                 keep.append(b)
                 if method == "recv":
                     back.append((t, b))
@@ -193,12 +214,13 @@ class NcclOps:
             self._check_device([], "barrier")
         t = torch.zeros(1, device=dev)
         self._begin("barrier", [t])
-        calls = [("all_reduce", (t.data_ptr(), t.data_ptr(), 1, self._dt(t), nccl_lib.NCCL_SUM))]
+        calls = [(self._fns["all_reduce"], (t.data_ptr(), t.data_ptr(), 1, self._dt(t), nccl_lib.NCCL_SUM))]
         return self._submit("barrier", [t], calls, [], host_wait=True)
 
     # ---- point to point ---------------------------------------------------------------------
-    # Deferred: consecutive sends and receives go to NCCL as one group when something needs
-    # them (a wait, the next collective, end_coalescing, or the watchdog after P2P_FLUSH_S).
+    # Deferred: consecutive sends and receives go to NCCL as one group when the application
+    # next needs them (a wait, get_future, is_completed, the next op, end_coalescing, shutdown).
+    # No helper thread launches them: a send that nobody waits for goes out with the next op.
     def send(self, tensors, dst: int, tag: int = 0):
         return self._exchange(f"send to rank {dst}", [(dst, t) for t in tensors], [], list(tensors),
                               defer=True, peer=dst)
@@ -214,6 +236,8 @@ class NcclOps:
         if self._lib is None:
             self._check_device(tensors, what)
             self._lib = self._load()
+        if not self._fns:
+            self._fns = {name: self._lib.fn(name) for name in nccl_lib.CALLS}
 
     def _dt(self, t: torch.Tensor) -> int:
         # Codes are computed once per dtype (and op): building them cost a small op ~20 us.
@@ -235,6 +259,12 @@ class NcclOps:
         if code is not None:
             return code
         try:
+            if code_of_float8(t.dtype) and self._capability(t) < FP8_MIN_SM:
+                cap = self._capability(t)
+                raise HpctArgumentError(f"hpct NCCL: a reduction of {t.dtype} needs an sm_90 GPU or newer (this one "
+                                        f"is sm_{cap // 10}{cap % 10}); NCCL refuses it below sm_90",
+                                        fix="reduce in bfloat16 or float16 (cast first), or gather float8 "
+                                            "tensors instead")
             if t.dtype.is_complex and kind not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
                 raise HpctArgumentError(f"hpct NCCL: ReduceOp {op} is not defined for complex tensors",
                                         fix="reduce complex tensors with SUM or AVG")

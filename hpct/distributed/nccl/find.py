@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import Mapping
 
-from .nccl_lib import (_OURS, LIBRARY_VAR, RTLD_LOCAL, RTLD_NOLOAD, RTLD_NOW, ROOTLESS_SYMBOL, NcclLibrary,
+from .library import (_OURS, LIBRARY_VAR, RTLD_LOCAL, RTLD_NOLOAD, RTLD_NOW, ROOTLESS_SYMBOL, NcclLibrary,
                        NcclLibraryError)
 
 def torch_loaded_libnccl(maps: str = "/proc/self/maps") -> str | None:
