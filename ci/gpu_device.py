@@ -2,7 +2,7 @@
 """The device side of the GPU proof: check the machine, install from the pack, run the proof.
 
     python3 ci/gpu_device.py preflight [--from DIR] [--json FILE]
-    python3 ci/gpu_device.py run [--from DIR] [--work DIR] [--phase smoke|proof|more|overhead|held|faults|speed|start|all]
+    python3 ci/gpu_device.py run [--from DIR] [--work DIR] [--phase smoke|proof|more|overhead|held|faults|speed|ddp|start|plan|all]
                                  [--report DIR] [--budget-s SECONDS] [--mps]
 
 Nothing is built here: the pack (ci/gpu_pack.py, made on the CPU machine) carries the patched
@@ -67,6 +67,10 @@ PHASES["all"] = PHASES["smoke"] + PHASES["proof"]
 # DDP SIGKILL and the bandwidth table cost a minute and do not change with the engine's
 # fault path), then the fault paths that need no MPS.
 PHASES["start"] = (PHASES["smoke"] + [PHASES["proof"][0], PHASES["proof"][2]] + PHASES["faults"][:2])
+# The device plan's first call (docs/gpu-proof.md): the proof without the bandwidth table, then
+# every fault path; the second runs "speed" under MPS.
+PHASES["plan"] = PHASES["smoke"] + PHASES["proof"][:3] + PHASES["faults"]
+PHASES["ddp"] = PHASES["speed"][:1]
 
 
 # ------------------------------------------------------------------------------ the machine

@@ -492,3 +492,66 @@ def test_mps_is_started_for_the_tests_and_stopped_after(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_MPS_RC", "3")
     assert not gpu_device.start_mps(tmp_path / "work", said.append)
     assert said[-1].startswith(f"mps: {gpu_device.MPS_CONTROL} -d exited 3")
+
+
+def test_every_phase_names_tests_the_proof_has():
+    """A phase that names a test the proof lacks would run nothing for it on the device."""
+    import ast
+    tree = ast.parse((REPO / "tests" / "gpu" / "test_gpu_proof.py").read_text())
+    names = {f.name for f in tree.body if isinstance(f, ast.FunctionDef) and f.name.startswith("test_")}
+    for phase, nodes in gpu_device.PHASES.items():
+        for node in nodes:
+            if node == "library":
+                continue
+            name = node.split("::", 1)[1].split("[", 1)[0]
+            assert name in names, (phase, node)
+            if "[" in node:
+                assert node.endswith(("[2]", "[4]")), (phase, node)
+
+
+# ---------------------------------------------------------------- the fault-path verdicts (tests/gpu/verdicts.py)
+# Lines of the kind the lent H200 printed on 2026-11-27 (tests/gpu/worker_faults.py and worker.py).
+GRAPH_OK = [f"GRAPH rank {r}: {line}" for r in (0, 1) for line in (
+    "5 warm-up all_reduces: 0.068 s", "capture: 0.028 s (engine stream capturing after: False)",
+    "3 replays: 0.071 s (result exact)", "engine barrier after the replays: 0.005 s (True)",
+    "replay, then an eager all_reduce: 0.010 s (eager result 2)", "stock barrier: 0.040 s",
+    "shutdown while the graph lives: 5.001 s (returned: True; comm: Communicator(rank 0 of 2, ended: destroyed))",
+    "del graph: 0.072 s (comm freed after del graph: True)")]
+INITFAIL_OK = ["INITFAIL rank 0: init with rank 1 absent: 2.010 s (NcclConnectError: hpct NCCL communicator "
+               "creation failed ... (ncclRemoteError, 6))",
+               "INITFAIL rank 0: the failed init's comm: 0.000 s (Communicator(rank 0 of 2, listen 127.0.0.1:1, "
+               "next 127.0.0.1:2, ended: aborted), freed: True)",
+               "INITFAIL rank 0: recover on the same slot: 0.068 s (re-formed on the same slot and summed exactly)",
+               "INITFAIL rank 1: recover on the same slot: 0.068 s (re-formed on the same slot and summed exactly)"]
+HELD_OK = ("HELD n=2 rank 0: 5.01 s: NcclOpTimeoutError: hpct NCCL launch failed ... | the call returned at "
+           "5.006 s; abort flag raised at 5.006 s; the held call returned at 5.006 s; ncclCommAbort called at "
+           "5.007 s; ncclCommAbort returned at 5.010 s | flag first: True; abort beside the call: False")
+
+
+def test_the_graph_verdict_passes_a_good_run_and_names_what_a_bad_one_lacks():
+    import verdicts
+    assert verdicts.graph_problems(GRAPH_OK) == []
+    hung = [ln.replace("5.001 s (returned: True", "12.001 s (returned: False") for ln in GRAPH_OK]
+    assert verdicts.graph_problems(hung) == [
+        f"rank {r}: shutdown while the graph lives{p}" for r in (0, 1)
+        for p in (": 'returned: False; comm: Communicator(rank 0 of 2, ended: destroyed)' lacks 'returned: True'",
+                  " took 12.001 s, more than 7 s")]
+    kept = [ln.replace("freed after del graph: True", "freed after del graph: False") for ln in GRAPH_OK]
+    assert len(verdicts.graph_problems(kept)) == 2
+    assert verdicts.graph_problems(GRAPH_OK[:8]) == [f"rank 1: no '{s}' stage" for s in (
+        "3 replays", "replay, then an eager all_reduce", "shutdown while the graph lives", "del graph")]
+    with pytest.raises(ValueError, match="printed stage '3 replays' twice"):
+        verdicts.graph_problems(GRAPH_OK + GRAPH_OK[2:3])
+
+
+def test_the_initfail_and_held_verdicts_name_what_went_wrong():
+    import verdicts
+    assert verdicts.initfail_problems(INITFAIL_OK) == []
+    leaked = [ln.replace("ended: aborted), freed: True", "live), freed: False") for ln in INITFAIL_OK]
+    assert verdicts.initfail_problems(leaked)[0].startswith("the failed init's comm was not aborted and freed")
+    assert verdicts.initfail_problems(INITFAIL_OK[:3]) == ["rank 1 did not re-form on the same slot: None"]
+    assert verdicts.held_problems(HELD_OK) == []
+    beside = HELD_OK.replace("flag first: True; abort beside the call: False", "flag first: False; abort beside the call: True")
+    assert verdicts.held_problems(beside) == ["the abort flag was not the first step of the end",
+                                              "ncclCommAbort ran beside the held call"]
+    assert verdicts.held_problems("") == ["no HELD line"]

@@ -30,9 +30,6 @@ from pathlib import Path
 from typing import Mapping
 
 # One reduction order in both stacks (NCCL reads these at communicator creation).
-# The held-launch test's op timeout: the watchdog must end the launch within it plus abort's bounds.
-HELD_OP_TIMEOUT_S = 5.0
-HELD_SLACK_S = 12.0               # a watchdog period, the flag's wake, ncclCommAbort's bound (10 s)
 
 PINS = {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple", "NCCL_MIN_NCHANNELS": "1", "NCCL_MAX_NCHANNELS": "1"}
 # Set by ci/gpu_device.py for the test process; the ranks get proof_env() of them.

@@ -15,6 +15,7 @@ from hpct.distributed.nccl.engine import engine_for_group
 # -P keeps the script's folder off sys.path; the settings sit beside it.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import proof_settings as ps  # noqa: E402
+import verdicts  # noqa: E402
 
 rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.cuda.set_device(0)
@@ -171,7 +172,7 @@ elif mode == "held":
     # watchdog must fail the group at the op timeout and its abort must end the call.
     import signal
     heng = engine_for_group(cfg, name="6", index=6, slot=6, group_rank=rank, global_ranks=list(range(n)),
-                            generation=0, op_timeout=ps.HELD_OP_TIMEOUT_S)
+                            generation=0, op_timeout=verdicts.HELD_OP_TIMEOUT_S)
     assert heng.blocking_comm, "the default comm is not blocking"
     heng._ensure_stream(dev)
     with heng._launch_lock:

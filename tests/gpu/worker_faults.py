@@ -44,7 +44,6 @@ if ps.mapped_libnccl() != [want]:
 dist.init_process_group("nccl", rank=rank, world_size=n, timeout=datetime.timedelta(seconds=60), device_id=dev)
 cfg = Config.from_mapping({k: v for k, v in os.environ.items()
                            if k in ("N_PROC_PER_NODE", "HPCT_PORT_BASE", "LOCAL_WORLD_SIZE")})
-T0 = time.perf_counter()
 lines: list[str] = []
 
 
@@ -152,6 +151,5 @@ elif mode == "initfail":
         return "re-formed on the same slot and summed exactly"
     stage("recover on the same slot", 40, reform)
     second.shutdown(10.0)
-print("\n".join(lines), flush=True)
 dist.destroy_process_group()
 os._exit(0)

@@ -53,6 +53,20 @@ if mode == "ddpstep":
     else:
         import hpct.distributed as hd
         hd.init_process_group(timeout=60.0)
+    if stack == "hpct-launch":
+        # A measurement, not a mode of hpct: futures completed at launch, CUDA-aware, as
+        # ProcessGroupNCCL's (DDP's finalize then makes the stream wait instead of the host).
+        # The difference to "hpct" is what DDP's guarantee costs: no step on a gradient that a
+        # lost peer never finished reducing needs the host to know the reduction ended.
+        from hpct.distributed.nccl.work import NcclWork
+
+        def launch_future(self):
+            if self._fut is None:
+                self._fut = torch.futures.Future(devices=[self.device])
+                with torch.cuda.stream(self._engine._stream):
+                    self._fut.set_result(self._result)
+            return self._fut
+        NcclWork.get_future = launch_future
     # Both stacks must train alike to the bit: math attention (the fused kernels' backward adds
     # with atomics), deterministic algorithms (CUBLAS_WORKSPACE_CONFIG comes from the test).
     torch.backends.cuda.enable_flash_sdp(False)
