@@ -12,9 +12,14 @@ cd "$(dirname "$0")/.."
 . ci/python.sh
 hpct_pick_python
 tier_start=$SECONDS
+mkdir -p build
+rm -f build/ci-tiers.tsv build/junit-*.xml build/test-profile-*.jsonl   # this run's only (ci/summary.py)
 tier() {  # tier NAME: print how long the previous tier took, then start NAME
   local now=$SECONDS
-  [ -z "${tier_name:-}" ] || echo "ci/test.sh: tier '$tier_name' took $((now - tier_start)) s"
+  if [ -n "${tier_name:-}" ]; then
+    echo "ci/test.sh: tier '$tier_name' took $((now - tier_start)) s"
+    printf '%s\t%s\n' "$tier_name" "$((now - tier_start))" >> build/ci-tiers.tsv
+  fi
   tier_name=$1; tier_start=$now
   [ -z "$1" ] || echo "ci/test.sh: tier '$1' starts"
 }
@@ -29,7 +34,6 @@ tier build
 "$PYTHON" -m hpct.builder all
 "$PYTHON" -m hpct.builder build gloo --tests
 hpct_console_script hpct >/dev/null       # rehash pyenv's shims; note when hpct is off PATH
-tier pytest
 if [ $# -eq 0 ]; then   # after `all` has fetched NCCL's sources: the real NCCL builds of
   # tests/test_nccl_build.py use the CPU the tests leave idle (nice 19: they never slow a
   # test down; the tests wait for them, then find them built)
@@ -38,7 +42,23 @@ fi
 # -P keeps the checkout off sys.path (the tests exercise the installed wheel), and
 # the same interpreter that installed the wheel runs the tests.
 rc=0
-timeout --signal=INT --kill-after=60 80m "$PYTHON" -P -m pytest --durations=15 "$@" || rc=$?
+if [ $# -gt 0 ]; then
+  timeout --signal=INT --kill-after=60 80m "$PYTHON" -P -m pytest --durations=15 --junitxml=build/junit-suite.xml "$@" || rc=$?
+else
+  # The suite's tiers, one pytest run each, in this order; a test that carries several tier
+  # markers runs in the first of them (tests/test_suite_layout.py: this list is the registered
+  # markers but gpu, and every test carries one).  slow last: the NCCL prebuild gets the most time.
+  TIER_MARKERS=(unit nccl_sim multiprocess multihost slow)
+  earlier=""
+  for marker in "${TIER_MARKERS[@]}"; do
+    tier "pytest $marker"
+    tier_rc=0
+    timeout --signal=INT --kill-after=60 40m "$PYTHON" -P -m pytest --durations=5 -p no:cacheprovider \
+      -m "$marker${earlier:+ and not ($earlier)}" --junitxml="build/junit-$marker.xml" || tier_rc=$?
+    [ "$tier_rc" = 5 ] || [ "$tier_rc" = 0 ] || rc=$tier_rc        # 5: a tier with no test left
+    earlier="${earlier:+$earlier or }$marker"
+  done
+fi
 if [ $# -eq 0 ]; then          # the whole suite: also against the newest torch users install
   tier torch
   wait "$prepare_pid" || echo "ci/test.sh: preparing the torch tier failed (build/torch-tier-prepare.log):" \
@@ -47,4 +67,5 @@ if [ $# -eq 0 ]; then          # the whole suite: also against the newest torch 
 fi
 tier ""
 echo "ci/test.sh: total $SECONDS s"
+"$PYTHON" ci/summary.py build || true
 exit $rc

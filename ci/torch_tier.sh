@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The torch tier: hpct against the torch users install today, PyPI's newest supported torch (the
 # CUDA build; it runs on a CPU machine), in a virtual environment of its own, cached between runs
-# at ~/.cache/hpct/venv-torch-<version> (a fresh machine downloads about 2.8 GB once).
+# at ~/.cache/hpct/venv-torch-<version>-<key of the requirements> (a fresh machine downloads about 2.8 GB once).
 #
 #   bash ci/torch_tier.sh [pytest arguments]      (after ci/test.sh's build: it installs dist/'s wheel)
 #   bash ci/torch_tier.sh --prepare               (only make the environment: ci/test.sh starts this in
@@ -26,7 +26,10 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
   echo "ci/torch_tier.sh: torch $version needs Python 3.11 or newer; $PYTHON is older: tier skipped" >&2
   exit 0
 fi
-venv="${XDG_CACHE_HOME:-$HOME/.cache}/hpct/venv-torch-$version"
+# The cache is keyed by what goes into it: the interpreter's tag and the requirement list.
+requirements=("torch==$version" numpy "pytest>=7" "expecttest>=0.2")
+key=$(printf '%s\n' "$tag" "${requirements[@]}" | sha256sum | cut -c1-12)
+venv="${XDG_CACHE_HOME:-$HOME/.cache}/hpct/venv-torch-$version-$key"
 # --isolated ignores the environment too: the CA bundle (a TLS-inspecting proxy's, say) is passed on
 # explicitly, from pip's variables or from the machine's pip configuration (its cert, not its caps).
 cert=${PIP_CERT:-${REQUESTS_CA_BUNDLE:-${SSL_CERT_FILE:-}}}
@@ -37,9 +40,12 @@ if ! "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
   echo "ci/torch_tier.sh: making $venv (torch==$version from PyPI; a few minutes the first time)"
   rm -rf "$venv.tmp"
   "$PYTHON" -m venv "$venv.tmp"
-  venv="$venv.tmp" tier_pip install -q "torch==$version" numpy "pytest>=7" "expecttest>=0.2"
+  venv="$venv.tmp" tier_pip install -q "${requirements[@]}"
   rm -rf "$venv"
   mv "$venv.tmp" "$venv"          # its python finds its packages from where it lies; pip runs as -m
+  echo "ci/torch_tier.sh: cache miss: made $venv"
+else
+  echo "ci/torch_tier.sh: cache hit: $venv"
 fi
 [ "$prepare_only" = 0 ] || { echo "ci/torch_tier.sh: $venv is ready"; exit 0; }
 wheel=$(ls -t dist/hpct-*-"$tag"-*.whl 2>/dev/null | head -n1 || true)
@@ -61,11 +67,12 @@ tier_pip install -q --no-deps --force-reinstall "$wheel"
 echo "ci/torch_tier.sh: $("$venv/bin/python" -P -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "NCCL", ".".join(map(str, torch.cuda.nccl.version())))') with $(basename "$wheel")"
 # The backend against ProcessGroupGloo, a SIGKILLed rank's in-process recovery, shrink/grow, the
 # doctor, `hpct run` replacing a killed worker from a warm standby (DDP, and FSDP2 from its replica), the NCCL engine's simulation
-# tier, the reconfigure API with PyTorch's own fault-tolerance suite, the drop-in NCCL: what a user of this torch runs (the full suite runs
+# tier and its fault path by NCCL's rules, the reconfigure API with PyTorch's own fault-tolerance suite, the drop-in NCCL: what a user of this torch runs (the full suite runs
 # on the CPU pin; this tier keeps CI within its time).
 timeout --signal=INT --kill-after=30 20m "$venv/bin/python" -P -m pytest -q -p no:cacheprovider \
+  --junitxml=build/junit-torch.xml \
   tests/test_backend.py tests/test_recovery.py::test_ddp_survives_a_sigkilled_rank_bit_identical \
-  tests/test_elastic.py tests/test_doctor.py tests/test_nccl_sim.py tests/test_reconfigure.py \
+  tests/test_elastic.py tests/test_doctor.py tests/test_nccl_sim.py tests/test_nccl_sim_faults.py tests/test_reconfigure.py \
   tests/test_fault_tolerance.py tests/test_torch_nccl.py \
   tests/test_launch_recovery.py::test_a_killed_worker_is_replaced_from_a_standby_and_nobody_else_restarts \
   tests/test_launch_recovery.py::test_an_fsdp2_hsdp_job_replaces_a_killed_worker_from_its_replicas_shards "$@"

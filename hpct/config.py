@@ -98,10 +98,10 @@ VARIABLES: tuple[Var, ...] = (
         help="ranks on this node (set by torchrun); must equal N_PROC_PER_NODE"),
 )
 
-# HPCT_* names read by other parts of hpct (the build: CMake defines, and
-# hpct/builder/main_fetch.py's HPCT_<COMPONENT>_SOURCE), accepted here so that an
+# HPCT_* names read by other parts of hpct (the build: CMake defines, hpct/builder/main_fetch.py's
+# HPCT_<COMPONENT>_SOURCE, build_cache.py's HPCT_BUILD_CACHE), accepted here so that an
 # environment that builds and runs hpct is not rejected as misspelled.
-FOREIGN_HPCT_NAMES = frozenset({"HPCT_GLOO_PREFIX", "HPCT_GLOO_SERIES_ID", "HPCT_GLOO_SOURCE",
+FOREIGN_HPCT_NAMES = frozenset({"HPCT_BUILD_CACHE", "HPCT_GLOO_PREFIX", "HPCT_GLOO_SERIES_ID", "HPCT_GLOO_SOURCE",
                                 "HPCT_NCCL_SOURCE", "HPCT_NCCL_SOURCES", "HPCT_PYTORCH_SOURCE"})
 KNOWN_HPCT_NAMES = frozenset(v.name for v in VARIABLES if v.name.startswith("HPCT_")) | FOREIGN_HPCT_NAMES
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import resource
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +23,27 @@ def pytest_configure(config):
         raise pytest.UsageError(
             f"hpct is imported from the source tree ({here}); install the wheel "
             "(hpct-build wheel --install) and run pytest without PYTHONPATH pointing at the checkout")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test's wall time and the CPU time it used, its own and its children's: the suite's
+    profile (build/test-profile.jsonl), from which the tiers are chosen by measurement -- a test
+    that waits (sockets, deadlines) uses little CPU for its wall time and can share the machine, one
+    that loads the CPU or times itself cannot (ci/summary.py prints the heaviest)."""
+    def cpu() -> float:
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    wall, used = time.monotonic(), cpu()
+    yield
+    record = {"test": item.nodeid, "wall_s": round(time.monotonic() - wall, 3), "cpu_s": round(cpu() - used, 3),
+              "markers": sorted({m.name for m in item.iter_markers()})}
+    try:
+        (REPO / "build").mkdir(exist_ok=True)
+        with open(REPO / "build" / f"test-profile-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError:
+        pass
 
 
 @pytest.fixture(scope="session")

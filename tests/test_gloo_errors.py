@@ -212,6 +212,7 @@ def test_a_missing_peer_is_connect_timeout_error_naming_it():
     assert "still missing rank 1" in str(err.value)
 
 
+@pytest.mark.multiprocess
 def test_set_timeout_changes_the_timeout_of_later_ops():
     # torch's _set_default_timeout / _set_pg_timeout: ops issued afterwards use the new timeout.
     a, b = _connected_pair(lazy=False, timeout=30.0)

@@ -154,6 +154,7 @@ def sdist(tmp_path_factory) -> Path:
     return build_sdist(REPO, out, out / "sdist.log", Progress(quiet=True))
 
 
+@pytest.mark.slow
 def test_no_reachable_provider_stops_the_build_with_the_fix(sdist, tmp_path):
     # The build requirements come from this interpreter: pip itself needs no network here.
     env = {**os.environ, **NO_NETWORK, "HPCT_BUILD_DIR": str(tmp_path / "work")}

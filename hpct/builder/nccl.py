@@ -14,16 +14,18 @@ import os
 import platform
 import re
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
 from ..errors import BuildError, ConfigError
+from . import build_cache
 from .builder import require_tools, run_logged
 from .cuda import DEFAULT_CUDA, cuda_toolchain, pins, preflight
 from .layout import Layout, write_atomic
-from .patches import load_series, patch
+from .patches import _project_file, load_series, patch
 from .progress import Progress
-from .sources import Manifest, fetch
+from .sources import Manifest, fetch, sha256_of
 
 DEFAULT_ARCHS = "80,90"   # A100 and H100: the GPUs hpct's jobs run on
 # The collectives NCCL's device code generator knows (the first word of an ONLY_FUNCS entry).
@@ -70,7 +72,6 @@ def glibc_floor_wraps(source: Path) -> list[str]:
 
 
 def compile_glibc_floor(layout: Layout, out: Path, log: Path) -> tuple[Path, list[str]]:
-    from .patches import _project_file
     source = _project_file(layout, GLIBC_FLOOR)
     if not source.is_file():
         raise BuildError(f"{GLIBC_FLOOR} is missing, and libnccl needs it to keep to manylinux_2_28",
@@ -151,6 +152,15 @@ def build_nccl(layout: Layout, m: Manifest, progress: Progress, tests: bool = Fa
     obj, prefix, log = out / "obj", out / "install", out / "build.log"
     config = {"series_id": series.identity(), "cuda": cuda, "cuda_archs": archs, "funcs": funcs,
               "runpath": runpath_of(m), "glibc_floor": platform.machine() == "x86_64"}
+    cache_inputs = {**config, "name": m.name, "version": m.version, "tree": m.identity.get("tree_sha256"),
+                    "nvcc": _version_text(home / "bin" / "nvcc"), "cxx": _version_text(Path(tools["c++"])),
+                    "gencode": gencode(archs), "floor": _file_digest(_project_file(layout, GLIBC_FLOOR))}
+    cache_key = build_cache.key(cache_inputs)
+    if build_cache.enabled() and build_cache.take(m.name, m.version, cache_key, prefix):
+        entry = build_cache.entry(m.name, m.version, cache_key)
+        progress.step(f"{m.name} {m.version}: taken from the build cache ({entry}; {build_cache.CACHE_VAR}=0 "
+                      "builds it anyway)")
+        return prefix
     previous = built_info(layout, m)
     incremental = bool(previous and {k: previous.get(k) for k in config} == config and obj.is_dir())
     if not incremental:
@@ -189,7 +199,23 @@ def build_nccl(layout: Layout, m: Manifest, progress: Progress, tests: bool = Fa
     shutil.rmtree(prefix, ignore_errors=True)
     os.replace(staging, prefix)
     progress.step(f"{m.name} built in {seconds} s into {prefix}")
+    if build_cache.enabled():
+        stored = build_cache.store(m.name, m.version, cache_key, prefix, cache_inputs)
+        progress.step(f"{m.name} {m.version}: stored in the build cache ({stored})" if stored else
+                      f"{m.name} {m.version}: the build cache ({build_cache.root()}) is not writable; not stored")
     return prefix
+
+
+def _version_text(tool: Path) -> str:
+    """A tool's ``--version`` output (part of the build cache's key); empty when it cannot say."""
+    try:
+        return subprocess.run([str(tool), "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def _file_digest(path: Path) -> str | None:
+    return sha256_of(path) if path.is_file() else None
 
 
 def _collect(obj: Path, src: Path, staging: Path, log: Path) -> None:

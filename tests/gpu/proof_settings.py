@@ -123,6 +123,22 @@ def mapped_libnccl(maps: str | None = None) -> list[str]:
     return sorted(found)
 
 
+def start_rank():
+    """A rank's start in every worker of tests/gpu: (rank, n, device, mode) once CUDA is up and
+    the process is under the proof's settings (the one libnccl, the pins), else it exits naming
+    what is wrong (nothing after that would mean anything)."""
+    import sys
+    import torch
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(0)
+    torch.cuda.init()
+    want = os.path.realpath(os.environ["HPCT_NCCL_LIBRARY"])
+    if mapped_libnccl() != [want] or any(os.environ.get(k) != v for k, v in PINS.items()):
+        sys.exit(f"rank {rank}: not under the proof's settings: libnccl mapped {mapped_libnccl()} (want "
+                 f"[{want}]), pins {[(k, os.environ.get(k)) for k in PINS]}")
+    return rank, n, torch.device("cuda", 0), os.environ["GPU_PROOF_MODE"]
+
+
 def _prepend(first: str, rest: str) -> str:
     parts = [first] + [p for p in rest.split(":") if p and p != first]
     return ":".join(parts)

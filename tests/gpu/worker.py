@@ -17,17 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import proof_settings as ps  # noqa: E402
 import verdicts  # noqa: E402
 
-rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-torch.cuda.set_device(0)
-dev = torch.device("cuda", 0)
-mode = os.environ["GPU_PROOF_MODE"]
-R = dist.ReduceOp
 # Both stacks on the one libnccl the harness preloaded (proof_settings.proof_env), pinned alike.
-torch.cuda.init()
-want = os.path.realpath(os.environ["HPCT_NCCL_LIBRARY"])
-if ps.mapped_libnccl() != [want] or any(os.environ.get(k) != v for k, v in ps.PINS.items()):
-    sys.exit(f"rank {rank}: not under the proof's settings: libnccl mapped {ps.mapped_libnccl()} (want "
-             f"[{want}]), pins {[(k, os.environ.get(k)) for k in ps.PINS]}")
+rank, n, dev, mode = ps.start_rank()
+R = dist.ReduceOp
 
 # stock reference: TCPStore + root
 t0 = time.perf_counter()

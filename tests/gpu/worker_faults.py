@@ -33,14 +33,7 @@ except ImportError:        # a wheel from before the engine became a package (th
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import proof_settings as ps  # noqa: E402
 
-rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-torch.cuda.set_device(0)
-dev = torch.device("cuda", 0)
-mode = os.environ["GPU_PROOF_MODE"]
-torch.cuda.init()
-want = os.path.realpath(os.environ["HPCT_NCCL_LIBRARY"])
-if ps.mapped_libnccl() != [want]:
-    sys.exit(f"rank {rank}: libnccl mapped {ps.mapped_libnccl()}, want [{want}]")
+rank, n, dev, mode = ps.start_rank()
 dist.init_process_group("nccl", rank=rank, world_size=n, timeout=datetime.timedelta(seconds=60), device_id=dev)
 cfg = Config.from_mapping({k: v for k, v in os.environ.items()
                            if k in ("N_PROC_PER_NODE", "HPCT_PORT_BASE", "LOCAL_WORLD_SIZE")})

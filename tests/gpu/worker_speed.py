@@ -26,14 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import proof_settings as ps  # noqa: E402
 
-rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-torch.cuda.set_device(0)
-dev = torch.device("cuda", 0)
-mode = os.environ["GPU_PROOF_MODE"]
-torch.cuda.init()
-want = os.path.realpath(os.environ["HPCT_NCCL_LIBRARY"])
-if ps.mapped_libnccl() != [want]:
-    sys.exit(f"rank {rank}: libnccl mapped {ps.mapped_libnccl()}, want [{want}]")
+rank, n, dev, mode = ps.start_rank()
 STEPS = int(os.environ.get("DDP_STEPS", "40"))
 
 

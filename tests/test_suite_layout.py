@@ -1,0 +1,81 @@
+"""The suite's own layout: every test belongs to a tier (a registered marker), the tiers ci/test.sh
+runs are the registered markers, and the run's summary (ci/summary.py) says what it read."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "ci"))
+import summary  # noqa: E402  (ci/ is a folder of scripts)
+
+
+def registered_markers() -> set[str]:
+    cfg = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    return {m.split(":", 1)[0].strip() for m in cfg["markers"]}
+
+
+def marks_in(tree: ast.AST) -> set[str]:
+    """Every ``pytest.mark.<name>`` a module's source names (module, class or test)."""
+    return {node.attr for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "mark" and isinstance(node.value.value, ast.Name) and node.value.value.id == "pytest"}
+
+
+def test_every_test_module_names_a_tier_marker():
+    tiers = registered_markers() - {"gpu"}
+    missing = []
+    for path in sorted((REPO / "tests").glob("test_*.py")):
+        if not marks_in(ast.parse(path.read_text())) & tiers:
+            missing.append(path.name)
+    assert missing == [], f"test modules with no tier marker ({', '.join(sorted(tiers))}): {missing}"
+
+
+def test_every_collected_test_has_a_tier_marker():
+    """The source check above cannot see a test whose only mark comes from elsewhere; the
+    collection can: a test with none of the tier markers would run in no tier."""
+    tiers = sorted(registered_markers())
+    expr = "not (" + " or ".join(tiers) + ")"
+    proc = subprocess.run([sys.executable, "-P", "-m", "pytest", "--collect-only", "-q", "-m", expr,
+                           "-p", "no:cacheprovider", str(REPO / "tests")],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    unmarked = [ln for ln in proc.stdout.splitlines() if "::" in ln]
+    assert unmarked == [], f"tests with no tier marker: {unmarked[:20]}"
+    assert proc.returncode == 5, proc.stdout[-2000:] + proc.stderr[-2000:]     # 5: nothing collected
+
+
+def test_the_tiers_ci_test_sh_names_are_the_registered_markers():
+    text = (REPO / "ci" / "test.sh").read_text()
+    m = re.search(r"^\s*TIER_MARKERS=\(([^)]*)\)", text, re.MULTILINE)
+    assert m, "ci/test.sh has no TIER_MARKERS=(...) list"
+    named = set(m.group(1).split())
+    assert named == registered_markers() - {"gpu"}, (named, registered_markers())
+
+
+def test_the_summary_reads_tiers_junit_reports_and_cache_logs(tmp_path, capsys):
+    (tmp_path / "ci-tiers.tsv").write_text("setup\t7\nbuild\t140\npytest\t2400\n")
+    (tmp_path / "junit-suite.xml").write_text(
+        '<testsuites><testsuite name="pytest">'
+        + "".join(f'<testcase classname="tests.test_x" name="test_{i}" time="{i}.5"/>' for i in range(12))
+        + "</testsuite></testsuites>")
+    (tmp_path / "nccl-prebuild.log").write_text(
+        "[  2.0s] nccl 2.30.7: taken from the build cache (/c/nccl-2.30.7-abc; HPCT_BUILD_CACHE=0 builds it anyway)\n"
+        "[ 80.0s] nccl 2.21.5: stored in the build cache (/c/nccl-2.21.5-def)\n")
+    (tmp_path / "torch-tier-prepare.log").write_text("ci/torch_tier.sh: cache hit: /c/venv\n")
+    assert summary.main(["summary", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "all tiers                        2547" in out
+    slow = [ln for ln in out.splitlines() if "tests/test_x.py::test_" in ln]
+    assert len(slow) == 10 and slow[0].split() == ["11.5", "suite:", "tests/test_x.py::test_11"]
+    assert "NCCL 2.30.7 build          hit" in out and "NCCL 2.21.5 build          miss (built, then stored)" in out
+    assert "torch tier environment     hit" in out
+    assert summary.main(["summary", str(tmp_path / "empty")]) == 0
+    assert "(no JUnit report in build/)" in capsys.readouterr().out
