@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 RUN = "import sys; from hpct.cli import main; sys.exit(main())"
+# -P: as the `hpct` console script, the agent imports the installed package, never the working folder's.
+PY = [sys.executable, "-P"] if sys.version_info >= (3, 11) else [sys.executable]
 
 
 class Agents:
@@ -47,7 +49,7 @@ class Agents:
 
     def _spawn(self, n: int) -> subprocess.Popen:
         life = self.lives[n]
-        argv = [sys.executable, "-c", RUN, "run", "--json", str(self.json_path(n, life)),
+        argv = [*PY, "-c", RUN, "run", "--json", str(self.json_path(n, life)),
                 "--log-dir", str(self.tmp / "logs"), *self.node_args[n], *self.args]
         err = open(self.err_path(n, life), "w")
         if self.namespaces:

@@ -6,7 +6,8 @@ Every start writes OUT/start-<RANK>-<pid>.json with the environment the agent ga
 Modes: ``sleep S`` (then exit 0); ``fail CODE`` (exit at once, before joining: a worker that
 cannot start); ``joined-fail CODE`` (tell the agent its world formed, as hpct's backend does,
 then exit CODE: its own failure, retried by --max-restarts); ``term`` (on SIGTERM write
-OUT/term-<RANK>-<pid> and exit 0; otherwise sleep up to 60 s).
+OUT/term-<RANK>-<pid> and exit 0; otherwise sleep up to 60 s); ``until-replaced S`` (the first
+generation sleeps S, a replacement exits 0 at once).
 """
 
 import json
@@ -42,4 +43,6 @@ if mode == "term":
     (out / f"ready-{rank}-{os.getpid()}").write_text("")
     time.sleep(60)
     sys.exit(5)
+if mode == "until-replaced" and int(os.environ["HPCT_GENERATION"]) > 0:
+    sys.exit(0)
 time.sleep(float(arg))

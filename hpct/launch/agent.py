@@ -59,7 +59,9 @@ class NodeAgent(Membership):
         self.base_env = self._base_env(env)
         self.pool = Pool(opts.command, opts.python_script, opts.log_dir / f"node{self.node}", opts.standby,
                          self.base_env, on_ready=lambda pid: self.events.emit("standby", f"pid {pid} ready",
-                                                                              pid=pid))
+                                                                              pid=pid),
+                         on_failed=lambda pid, text, **f: self.events.emit("standby-failed", f"pid {pid} {text}",
+                                                                           pid=pid, **f))
 
     # -- the workers' environment: torchrun's variables, then hpct's --------------------------
     def _base_env(self, env: dict[str, str]) -> dict[str, str]:
@@ -93,9 +95,8 @@ class NodeAgent(Membership):
             env["HPCT_PLAN_PLACES"] = ",".join(map(str, plan))
         w = self.pool.start(place, local_rank, rank, gen, env, warm_ok=gen > 0)
         self.workers[local_rank] = w
-        self.events.emit("start", f"rank {rank} pid {w.proc.pid} generation {gen}"
-                         f"{' (standby)' if w.warm else ''}, log {w.log}", rank=rank, pid=w.proc.pid,
-                         generation=gen, warm=w.warm, log=str(w.log))
+        self.events.emit("start", f"rank {rank} pid {w.proc.pid} generation {gen} ({w.why}), log {w.log}",
+                         rank=rank, pid=w.proc.pid, generation=gen, warm=w.warm, why=w.why, log=str(w.log))
         if gen > 0:
             self.pool.fill()
 
@@ -230,6 +231,7 @@ class NodeAgent(Membership):
                 lost.append((local, w, code))
             if lost:
                 self._replace(lost)
+            self.pool.fill()                  # standbys that died are reported and replaced (backoff)
             if not self.workers:
                 self._tell_peers({"op": "leave", "node": self.node, "reason": "done"}, self._contacts())
                 self.events.emit("done", "every worker of this node finished", code=0)

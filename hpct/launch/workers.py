@@ -25,41 +25,88 @@ class Worker:
     proc: subprocess.Popen
     log: Path
     warm: bool                   # started from a standby
+    why: str = ""                # how it started: from a warm standby, or cold and why
     started: float = field(default_factory=time.monotonic)
     joined: bool = False         # its world group formed (it told the agent)
 
 
+# A standby imports the interpreter's own packages, as the agent did: ``-m`` would put the working
+# folder first on sys.path, and a source checkout of hpct there (an ``hpct/`` folder without the
+# compiled extension) then shadowed the installed package and the standby died at its import.
+STANDBY_ARGV = ("-c", "import sys; del sys.path[0]; from hpct.launch.standby import main; sys.exit(main())")
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 30.0     # between standbys that failed to warm or died waiting
+
+
 class Pool:
-    """Starts workers and keeps ``size`` warm standbys ready."""
+    """Starts workers and keeps ``size`` warm standbys ready; a standby that exits before it is
+    taken is reported (``on_failed``, with its log's last lines) and replaced after a backoff."""
 
     def __init__(self, command: tuple[str, ...], python_script: bool, log_dir: Path, size: int,
-                 base_env: dict[str, str], on_ready=None) -> None:
+                 base_env: dict[str, str], on_ready=None, on_failed=None) -> None:
         self.command, self.python_script, self.log_dir = command, python_script, log_dir
-        self.size, self.base_env, self.on_ready = size, base_env, on_ready
+        self.size, self.base_env, self.on_ready, self.on_failed = size, base_env, on_ready, on_failed
         self.standbys: list[subprocess.Popen] = []
         self.ready: set[int] = set()
+        self.logs: dict[int, Path] = {}
+        self.started = 0
+        self.last_failure: str | None = None
+        self.backoff, self.next_try = 0.0, 0.0
         self.lock = threading.Lock()
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def fill(self) -> None:
+        """Reap standbys that died (reported), then start the missing ones unless backing off."""
         with self.lock:
+            dead = [p for p in self.standbys if p.poll() is not None]
             self.standbys = [p for p in self.standbys if p.poll() is None]
+        for p in dead:
+            self._failed(p, "exited while waiting" if p.pid in self.ready else "exited before it was warm")
+        with self.lock:
+            if time.monotonic() < self.next_try:
+                return
             missing = self.size - len(self.standbys)
         for _ in range(missing):
-            p = subprocess.Popen([sys.executable, "-m", "hpct.launch.standby"], env=self.base_env,
+            self.started += 1
+            log = self.log_dir / f"standby-{self.started}.log"
+            p = subprocess.Popen([sys.executable, *STANDBY_ARGV], env=self.base_env,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=open(self.log_dir / "standby.log", "a"), start_new_session=True,
-                                 cwd=os.getcwd())
+                                 stderr=open(log, "w"), start_new_session=True, cwd=os.getcwd())
             with self.lock:
                 self.standbys.append(p)
+                self.logs[p.pid] = log
             threading.Thread(target=self._await_ready, args=(p,), daemon=True).start()
 
     def _await_ready(self, p: subprocess.Popen) -> None:
         if p.stdout.readline().strip() == b"ready":
             with self.lock:
                 self.ready.add(p.pid)
+                self.backoff = 0.0
             if self.on_ready:
                 self.on_ready(p.pid)
+            return
+        try:
+            p.wait(10.0)
+        except subprocess.TimeoutExpired:         # closed its output yet lives on: not a standby
+            stop([p], 0.0)
+        with self.lock:
+            if p not in self.standbys:            # reaped by fill() already, and reported there
+                return
+            self.standbys.remove(p)
+        self._failed(p, "exited before it was warm")
+
+    def _failed(self, p: subprocess.Popen, what: str) -> None:
+        code = p.returncode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit {code}"
+        with self.lock:
+            self.ready.discard(p.pid)
+            log = self.logs.pop(p.pid, self.log_dir / "standby.log")
+            self.backoff = min(max(self.backoff * 2, BACKOFF_FIRST_S), BACKOFF_MAX_S)
+            self.next_try = time.monotonic() + self.backoff
+            self.last_failure = f"standby pid {p.pid} {what} ({how})"
+            backoff = self.backoff
+        if self.on_failed:
+            self.on_failed(p.pid, f"{what} ({how}); the next one in {backoff:g} s; its log {log}:\n"
+                                  f"{tail(log, 10)}", code=code, log=str(log), retry_s=backoff)
 
     def _take_standby(self) -> subprocess.Popen | None:
         with self.lock:
@@ -68,6 +115,19 @@ class Pool:
                     self.standbys.remove(p)
                     return p
         return None
+
+    def _cold_why(self, warm_ok: bool) -> str:
+        if not warm_ok:
+            return "cold: a first start (generation 0)"
+        if not self.python_script:
+            return "cold: the command is not a Python script (--no-python)"
+        if self.size == 0:
+            return "cold: no standby is kept (--standby 0)"
+        with self.lock:
+            waiting = len(self.standbys)
+            failure = self.last_failure
+        text = f"cold: no standby was ready ({waiting} warming up"
+        return text + (f"; the last failed: {failure})" if failure else ")")
 
     def start(self, place: int, local_rank: int, rank: int, generation: int, env: dict[str, str],
               warm_ok: bool) -> Worker:
@@ -78,7 +138,9 @@ class Pool:
             standby.stdin.write(json.dumps(order).encode() + b"\n")
             standby.stdin.close()
             standby.stdout.close()
-            return Worker(place, local_rank, rank, generation, standby, log, warm=True)
+            return Worker(place, local_rank, rank, generation, standby, log, warm=True,
+                          why=f"warm: standby pid {standby.pid}")
+        why = self._cold_why(warm_ok)
         argv = list(self.command) if not self.python_script else [sys.executable, *self.command]
         with open(log, "w") as out:
             try:
@@ -87,7 +149,7 @@ class Pool:
             except OSError as err:      # --no-python with a program that cannot run
                 out.write(f"hpct run: cannot start {argv[0]}: {err}\n")
                 proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(127)"])
-        return Worker(place, local_rank, rank, generation, proc, log, warm=False)
+        return Worker(place, local_rank, rank, generation, proc, log, warm=False, why=why)
 
     def close(self) -> None:
         with self.lock:
