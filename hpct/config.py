@@ -52,7 +52,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("HPCT_PORT_BASE", "port_base", "int", DEFAULT_PORT_BASE, 1024, MAX_PORT,
         help="first port of hpct's blocks; the Gloo and NCCL bases default from it"),
     Var("N_PROC_PER_NODE", "nproc_per_node", "int", None, 1, 1024,
-        help="processes per node (P); default LOCAL_WORLD_SIZE, else 1"),
+        help="processes per node (P); default LOCAL_WORLD_SIZE, else the world size on the default single "
+             "host (WORLD_SIZE, or the size init_process_group is given), else 1"),
     Var("HPCT_PORT_SLOTS", "port_slots", "int", DEFAULT_PORT_SLOTS, 1, 4096,
         help="port slots per block (S): NCCL communicators alive at once per process (and the "
              "patched-PyTorch track's Gloo groups); the hpct backend's Gloo groups share one port, uncapped"),
@@ -272,8 +273,13 @@ class Config:
         _check_rules(self)
 
     @classmethod
-    def from_mapping(cls, mapping: Mapping[str, str] | None = None) -> "Config":
-        """Read, type-check and cross-check every variable of ``mapping`` (default: os.environ)."""
+    def from_mapping(cls, mapping: Mapping[str, str] | None = None, *, world_size: int | None = None) -> "Config":
+        """Read, type-check and cross-check every variable of ``mapping`` (default: os.environ).
+
+        ``world_size``: the size ``init_process_group`` was given, when WORLD_SIZE is unset: on the
+        default single host with neither N_PROC_PER_NODE nor LOCAL_WORLD_SIZE set, the world fits
+        on that host (a notebook's or a test harness's ``init_process_group("hpct", rank=r,
+        world_size=n)`` needs no hpct variable)."""
         env = os.environ if mapping is None else mapping
         _reject_unknown(env)
         raw = {v.name: env[v.name] for v in VARIABLES if env.get(v.name, "") != ""}
@@ -286,12 +292,37 @@ class Config:
                 values.setdefault(v.field, v.default)
         # Derived defaults: P from torchrun's LOCAL_WORLD_SIZE, Gloo at the base,
         # NCCL right after the Gloo block so the two never overlap.
-        values.setdefault("nproc_per_node", values.get("local_world_size") or 1)
+        source = nproc_source(env, world_size)
+        if source == NPROC_FROM_LOCAL:
+            values["nproc_per_node"] = values["local_world_size"]
+        elif source == NPROC_FROM_WORLD:
+            values["nproc_per_node"] = values.get("world_size") or world_size
+        values.setdefault("nproc_per_node", 1)
         values.setdefault("gloo_port_base", values["port_base"])
         values.setdefault("nccl_port_base",
                           values["gloo_port_base"] + values["port_slots"] * values["nproc_per_node"])
         values.setdefault("hosts", DEFAULT_HOSTS)
         return cls(**values)
+
+
+# Where a Config's processes per node come from (nproc_source): doctor and `hpct ports plan` say it.
+NPROC_GIVEN, NPROC_FROM_LOCAL = "N_PROC_PER_NODE", "LOCAL_WORLD_SIZE"
+NPROC_FROM_WORLD = "the world size on the default single host"
+NPROC_DEFAULT = "the default (no world size known yet)"
+
+
+def nproc_source(mapping: Mapping[str, str] | None = None, world_size: int | None = None) -> str:
+    """Which rule gives N_PROC_PER_NODE for ``mapping``: set, LOCAL_WORLD_SIZE, the world size on
+    the default single host (WORLD_SIZE, or ``world_size`` given by init_process_group), else 1."""
+    env = os.environ if mapping is None else mapping
+    if env.get("N_PROC_PER_NODE", ""):
+        return NPROC_GIVEN
+    if env.get("LOCAL_WORLD_SIZE", ""):
+        return NPROC_FROM_LOCAL
+    one_host = not env.get("HPCT_HOSTS", "") and not env.get("HPCT_HOSTFILE", "")
+    if one_host and (env.get("WORLD_SIZE", "") or world_size):
+        return NPROC_FROM_WORLD
+    return NPROC_DEFAULT
 
 
 def _span(block: range) -> str:
@@ -333,7 +364,8 @@ def _check_rules(c: Config) -> None:
             raise ConfigError(
                 f"WORLD_SIZE={c.world_size} spans more than one node (N_PROC_PER_NODE={p}) "
                 f"but no host list is set",
-                fix="set HPCT_HOSTS=addr0,addr1,... or HPCT_HOSTFILE=FILE, one address per node")
+                fix=f"on one host, set N_PROC_PER_NODE={c.world_size} (or unset it and LOCAL_WORLD_SIZE); on "
+                    "several, set HPCT_HOSTS=addr0,addr1,... or HPCT_HOSTFILE=FILE, one address per node")
         raise ConfigError(
             f"WORLD_SIZE={c.world_size} does not fit {len(c.hosts)} hosts x N_PROC_PER_NODE={p} = {capacity}",
             fix="list every node in HPCT_HOSTS/HPCT_HOSTFILE, or correct N_PROC_PER_NODE")
@@ -356,7 +388,7 @@ def _check_rules(c: Config) -> None:
 def describe_variables() -> str:
     """A Markdown table of every variable (used for docs/usage.md)."""
     rows = ["| variable | type | default | range | meaning |", "|---|---|---|---|---|"]
-    derived = {"N_PROC_PER_NODE": "LOCAL_WORLD_SIZE, else 1",
+    derived = {"N_PROC_PER_NODE": "LOCAL_WORLD_SIZE, else the world size on the default single host, else 1",
                "TORCH_GLOO_GET_PORT_BASE": "HPCT_PORT_BASE",
                "TORCH_NCCL_GET_PORT_BASE": "Gloo base + S x P",
                "HPCT_HOSTS": "127.0.0.1"}

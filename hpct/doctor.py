@@ -375,14 +375,14 @@ def check_nccl_wheel(probe: Probe) -> list[Row]:
 
 
 def check_config(probe: Probe) -> tuple[Row, object | None]:
-    from .config import Config
+    from .config import Config, nproc_source
     from .errors import ConfigError
     try:
         config = Config.from_mapping(probe.env)
     except ConfigError as err:
         return Row("configuration", "fail", err.problem, err.fix), None
     text = (f"rootless {'on' if config.use_rootless else 'off'}, {len(config.hosts)} host(s) x "
-            f"{config.nproc_per_node} process(es), {config.port_slots} slots, gloo block "
+            f"{config.nproc_per_node} process(es) (from {nproc_source(probe.env)}), {config.port_slots} slots, gloo block "
             f"{config.blocks['gloo'].start}-{config.blocks['gloo'].stop - 1}, nccl block "
             f"{config.blocks['nccl'].start}-{config.blocks['nccl'].stop - 1}")
     return Row("configuration", "ok", text), config

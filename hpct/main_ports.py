@@ -29,6 +29,11 @@ def _plan():
     return config, PortPlan.from_config(config)
 
 
+# What a one-host user needs to know when nothing says how many processes a node runs.
+NPROC_LATER = ("; on the default single host init_process_group's world size sets it, so "
+               "init_process_group('hpct', rank=r, world_size=n) needs no hpct variable")
+
+
 def _local_ranks(config) -> list[int]:
     return [config.local_rank] if config.local_rank is not None else list(range(config.nproc_per_node))
 
@@ -40,8 +45,11 @@ def _show_plan(config, plan, as_json: bool) -> int:
                     "listen_ports": {b: {str(l): p for l, p in by_rank.items()} for b, by_rank in ports.items()},
                     "hpct_gloo_ports": {str(l): plan.shared_port("gloo", l) for l in _local_ranks(config)}})
         return 0
+    from .config import NPROC_DEFAULT, nproc_source
+    source = nproc_source()
     print(f"hosts:  {', '.join(plan.hosts)} ({len(plan.hosts)} node(s) x {plan.nproc_per_node} "
-          f"process(es), world size {plan.world_size})")
+          f"process(es), world size {plan.world_size}; processes per node from {source}"
+          f"{NPROC_LATER if source == NPROC_DEFAULT else ''})")
     print(f"slots:  {plan.slots} (NCCL communicators alive at once per process, and the patched-PyTorch "
           f"track's ProcessGroupGloo groups; group g uses slot g mod {plan.slots})")
     shared = ", ".join(f"local rank {l}: {plan.shared_port('gloo', l)}" for l in _local_ranks(config))

@@ -16,7 +16,6 @@ from pathlib import Path
 import torch.distributed as dist
 
 import hpct.distributed  # noqa: F401 -- registers the hpct backend in every spawned process
-from hpct.ports import free_port_block
 
 SUITE = "test_c10d_fault_tolerance.py"
 
@@ -30,8 +29,10 @@ def suite_folder() -> Path | None:
     return None
 
 
-# The suite's three processes on one host; HPCT_PORT_BASE is chosen per test.
-ENV = {"HPCT_HOSTS": "127.0.0.1", "N_PROC_PER_NODE": "3", "HPCT_CONNECT_TIMEOUT": "30"}
+# None: the suite runs as a user's harness would, with no hpct variable (issue 41); the hpct
+# variables of the caller's environment are kept out of the spawned processes.
+ENV_UNSET = ("HPCT_HOSTS", "HPCT_HOSTFILE", "N_PROC_PER_NODE", "LOCAL_WORLD_SIZE", "HPCT_PORT_BASE",
+             "HPCT_CONNECT_TIMEOUT")
 HAS_API = hasattr(dist, "_reconfigure")
 FOLDER = suite_folder()
 upstream = None
@@ -44,12 +45,13 @@ if upstream is not None:
     _Base = upstream._make_fault_tolerance_test_class("hpct", "cpu")
 
     class HpctFaultToleranceTest(_Base):
-        """torch's suite on the hpct backend: three processes on loopback, a port plan of their own."""
+        """torch's suite on the hpct backend: three processes on loopback, no hpct variable."""
 
         def setUp(self):
-            # Spawned processes inherit the environment: one fresh block of ports per test.
-            self._saved = {k: os.environ.get(k) for k in ENV}
-            os.environ.update(ENV, HPCT_PORT_BASE=str(free_port_block(8 * 3)))
+            # Spawned processes inherit the environment: as a user's, with no hpct variable.
+            self._saved = {k: os.environ.get(k) for k in ENV_UNSET}
+            for k in ENV_UNSET:
+                os.environ.pop(k, None)
             super().setUp()
 
         def tearDown(self):

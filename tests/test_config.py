@@ -241,3 +241,23 @@ def test_plan_places_place_the_first_world_only_and_must_match_its_size():
         world._start_places(cfg, 3)
     assert info.value.problem == "HPCT_PLAN_PLACES lists 2 places, but WORLD_SIZE is 3"
     assert world._start_places(Config.from_mapping({}), 3) is None
+
+
+def test_processes_per_node_follow_the_world_on_the_default_single_host():
+    """Issue 41: a notebook's or a test harness's init_process_group("hpct", rank=r, world_size=n)
+    sets no hpct variable: on the default single host the world fits on it."""
+    from hpct.config import NPROC_DEFAULT, NPROC_FROM_LOCAL, NPROC_FROM_WORLD, NPROC_GIVEN, nproc_source
+    assert (Config.from_mapping({}).nproc_per_node, nproc_source({})) == (1, NPROC_DEFAULT)
+    assert Config.from_mapping({}, world_size=3).nproc_per_node == 3
+    assert (Config.from_mapping({"WORLD_SIZE": "4"}).nproc_per_node, nproc_source({"WORLD_SIZE": "4"})) == \
+        (4, NPROC_FROM_WORLD)
+    two_nodes = {"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4", "HPCT_HOSTS": "10.0.0.1,10.0.0.2"}
+    assert (Config.from_mapping(two_nodes).nproc_per_node, nproc_source(two_nodes)) == (2, NPROC_FROM_LOCAL)
+    assert Config.from_mapping({"N_PROC_PER_NODE": "2"}, world_size=3).nproc_per_node == 2
+    assert nproc_source({"N_PROC_PER_NODE": "2"}) == NPROC_GIVEN
+    # A host list says the world spans nodes: nothing is guessed, the error names what would work.
+    with pytest.raises(ConfigError, match=r"WORLD_SIZE=4 does not fit 2 hosts x N_PROC_PER_NODE=1"):
+        Config.from_mapping({"HPCT_HOSTS": "10.0.0.1,10.0.0.2", "WORLD_SIZE": "4"})
+    with pytest.raises(ConfigError) as info:
+        Config.from_mapping({"N_PROC_PER_NODE": "1", "WORLD_SIZE": "4"})
+    assert "on one host, set N_PROC_PER_NODE=4" in info.value.fix

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from .. import _gloo
-from ..config import Config
+from ..config import NPROC_DEFAULT, Config, nproc_source
 from ..errors import ConfigError, PortPlanError, RendezvousError
 from ..ports import shared_peers
 from . import agent_link, checks, slots
@@ -70,6 +70,12 @@ def _config() -> Config:
     with _LOCK:
         if _state.config is None:
             _state.config = Config.from_mapping()
+        return _state.config
+
+
+def _reconfigure_for(world_size: int) -> Config:
+    with _LOCK:
+        _state.config = Config.from_mapping(world_size=world_size)
         return _state.config
 
 
@@ -183,10 +189,14 @@ def _create(dist_opts, backend_options=None):
     global_ranks = list(dist_opts.global_ranks_in_group) or list(range(group_size))
     name = str(dist_opts.group_id)
     index = _group_index(name)
-    p = cfg.nproc_per_node
     # Key 0 is the world's: the group torch makes first (after a default-group shrink torch
     # numbers new groups from "0" again, and those are subgroups).
     is_world = index == 0 and name == "0" and not dist.is_initialized()
+    if is_world and nproc_source() == NPROC_DEFAULT and group_size > cfg.nproc_per_node:
+        # init_process_group("hpct", rank=r, world_size=n) with no hpct variable: the world fits on
+        # the default single host (Config.from_mapping's rule, now that its size is known).
+        cfg = _reconfigure_for(group_size)
+    p = cfg.nproc_per_node
     with _LOCK:
         if is_world and _state.rank is None:       # torch's own init_process_group("hpct"), first world
             places = _start_places(cfg, group_size)
@@ -200,8 +210,8 @@ def _create(dist_opts, backend_options=None):
         peers = shared_peers(cfg.hosts, cfg.gloo_port_base, map(plan_rank, global_ranks), p)
     except PortPlanError as err:
         raise ConfigError(f"cannot place group {name} of {group_size} ranks: {err.problem}",
-                          fix="set N_PROC_PER_NODE (or LOCAL_WORLD_SIZE) and HPCT_HOSTS/HPCT_HOSTFILE "
-                              "so that every rank has a node") from None
+                          fix=f"set N_PROC_PER_NODE (now {p}, from {nproc_source()}) and HPCT_HOSTS/HPCT_HOSTFILE "
+                              f"so that every rank has a node: on one host, N_PROC_PER_NODE={group_size}") from None
     timeout = dist_opts.timeout.total_seconds() if dist_opts.timeout else 1800.0
     t0 = time.perf_counter()
     # A group made for torch's reconfigure API forms its membership at the first reconfigure
