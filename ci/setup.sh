@@ -17,7 +17,8 @@ if [ "${1:-}" = --tests ]; then
   # benchmarks/model.py (run by tests/test_benchmarks.py) and `hpct diagnose --plot` plot with matplotlib.
   # slurmctld, slurmd and munge run a real Slurm in network namespaces (tests/test_launch_slurm.py).
   APT_PACKAGES+=(buildah debootstrap slurmctld slurmd slurm-client munge)
-  PIP_TEST_PACKAGES=("expecttest>=0.2" "matplotlib>=3.7")
+  # pytest-xdist runs the tiers whose tests wait (sockets, deadlines) several at a time (ci/test.sh).
+  PIP_TEST_PACKAGES=("expecttest>=0.2" "matplotlib>=3.7" "pytest-xdist>=3.5")
 elif [ $# -gt 0 ]; then
   echo "ci/setup.sh: unknown argument '$1'" >&2; echo "  fix: bash ci/setup.sh [--tests]" >&2; exit 2
 fi

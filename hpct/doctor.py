@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from .requirements import (TORCH_PATCHED_PIN, install_fix, nccl_fix, pip_command, python_floor_text,
-                           runtime_requirements, satisfies, torch_fix, unmet)
+from .requirements import (NCCL_WHEEL, TORCH_PATCHED_PIN, install_fix, nccl_fix, nccl_pin_of, pip_command,
+                           python_floor_text, runtime_requirements, satisfies, torch_fix, unmet)
 
 TORCH_PIN = TORCH_PATCHED_PIN           # DESIGN.md's PyTorch pin (the stock CPU pin: hpct.requirements)
 NCCL_PIN = "2.21.5"                     # what PyTorch 2.6.0 pins
@@ -292,7 +292,12 @@ def check_nccl(probe: Probe, torch, config) -> Row:
     cuda = torch is not None and getattr(getattr(torch, "version", None), "cuda", None) is not None
     needs_rootless = bool(config is not None and config.use_rootless and torch is not None
                           and torch_is_patched(torch) and cuda)
-    install = f"{pip_command()} install --no-deps nvidia-nccl-cu12=={NCCL_PIN}"
+    # Every row's advice follows the installed torch: a stock CUDA torch keeps its own pin's
+    # library (cu13 for torch 2.14/2.15); hpct's patched torch 2.6.0 the 2.21.5 one.
+    version = str(getattr(torch, "__version__", "")) if torch is not None else ""
+    patched = torch is not None and torch_is_patched(torch)
+    pin = NCCL_PIN if patched else (nccl_pin_of(version) or NCCL_PIN)
+    install = f"{pip_command()} install --no-deps {NCCL_WHEEL[pin]}=={pin}"
     candidates = find_libnccl(probe)
     if not candidates:
         if cuda:
@@ -314,7 +319,7 @@ def check_nccl(probe: Probe, torch, config) -> Row:
     detail += f", stock: no {ROOTLESS_SYMBOL}"
     fix = ("install hpct's NCCL wheel in its place (it replaces nvidia-nccl-cu12 and keeps torch's "
            "requirement met): hpct-build fetch nccl --source nccl-2.21.5-1.tar.gz && hpct-build build nccl "
-           "&& hpct-build wheel nccl --install (docs/nccl-build.md)")
+           "&& hpct-build wheel nccl --install (docs/nccl-build.md)") if patched else nccl_fix(version)
     if needs_rootless:
         return Row("libnccl", "fail", detail + " (required: HPCT_USE_ROOTLESS=1 with hpct's PyTorch)", fix)
     return Row("libnccl", "warn", detail + " (rootless NCCL start-up unavailable)", fix)

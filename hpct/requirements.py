@@ -22,6 +22,8 @@ TORCH_NEWEST = "2.15.0"         # the newest torch hpct supports (pyproject's ex
 # The NCCL each CUDA torch pins, where hpct has a series for it: a drop-in wheel then replaces
 # NVIDIA's under torch's own pin (hpct-build build nccl=V && hpct-build wheel nccl=V).
 NCCL_DROP_IN = {(2, 6): "2.21.5", (2, 14): "2.30.7", (2, 15): "2.30.7"}
+# The PyPI distribution each drop-in replaces (third_party/nccl.toml's pins say the same; a test checks).
+NCCL_WHEEL = {"2.21.5": "nvidia-nccl-cu12", "2.30.7": "nvidia-nccl-cu13"}
 NCCL_NEWEST_SERIES = "2.30.7"   # built beside torch's own NCCL where torch pins one without a series
 # Extras that hpct never imports at run time: the test suite's, and the benchmarks' plotting.
 NON_RUNTIME_EXTRAS = frozenset({"test", "bench"})
@@ -126,13 +128,18 @@ def torch_fix(executable: str | None = None, installed: str | None = None, cuda:
             f"hpct-build build pytorch")
 
 
-def nccl_fix(torch_version: str | None) -> str:
-    """How to give a CUDA torch of this version a libnccl with ncclCommInitRankRootless."""
+def nccl_pin_of(torch_version: str | None) -> str | None:
+    """The NCCL a CUDA torch of this version pins and hpct has a drop-in series of, else None."""
     try:
         minor = _release(torch_version or "")[:2]
     except ValueError:
-        minor = None
-    pin = NCCL_DROP_IN.get(minor) if minor else None
+        return None
+    return NCCL_DROP_IN.get(minor)
+
+
+def nccl_fix(torch_version: str | None) -> str:
+    """How to give a CUDA torch of this version a libnccl with ncclCommInitRankRootless."""
+    pin = nccl_pin_of(torch_version)
     if pin:
         return (f"torch {torch_version} pins NCCL {pin}: install hpct's drop-in wheel of it "
                 f"(hpct-build build nccl={pin} --cuda-arch <your GPUs> && hpct-build wheel nccl={pin}, then "

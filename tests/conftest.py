@@ -23,6 +23,21 @@ def pytest_configure(config):
         raise pytest.UsageError(
             f"hpct is imported from the source tree ({here}); install the wheel "
             "(hpct-build wheel --install) and run pytest without PYTHONPATH pointing at the checkout")
+    _own_ports_per_worker()
+
+
+def _own_ports_per_worker() -> None:
+    """Under pytest-xdist, each worker picks its ports from a range of its own: two tests running
+    at once then never pick overlapping blocks on loopback (namespaces have ports of their own)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return
+    import hpct.ports as ports
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    low, high, *rest = ports.free_port_block.__defaults__
+    span = (high - low) // count
+    start = low + int(worker[2:]) * span
+    ports.free_port_block.__defaults__ = (start, start + span, *rest)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -124,3 +125,7 @@ def test_recovery_fails_within_the_connect_deadline_when_a_member_stops_inside_i
         assert rec["error"] == "RendezvousError", (r, rec)
         assert rec["s"] <= CONNECT_S + SLACK_S, f"rank {r}: recover failed after {rec['s']:.2f} s: " \
                                                 f"{rec['message'][:300]}"
+        # The message names the member it waited for (issue 41: it named no peer before).
+        assert re.search(r"(waiting for|to) rank \d \(127\.0\.0\.1:\d+", rec["message"]), rec["message"][:500]
+    named = [json.loads((tmp_path / f"deadline-{r}.json").read_text())[1]["message"] for r in range(stopper)]
+    assert any(f"rank {stopper} (127.0.0.1:" in m for m in named), [m[:400] for m in named]

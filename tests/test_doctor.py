@@ -25,7 +25,7 @@ from hpct import doctor
 from hpct.cli import main
 from hpct.doctor import Probe, Row, check_nccl, find_libnccl, run_checks
 from hpct.ports import busy_ports
-from util import run_cli
+from util import REPO, run_cli
 
 NCCL_PIN = "2.21.5"
 FETCH = f"{sys.executable} -m pip download --no-deps nvidia-nccl-cu12=={NCCL_PIN} -d ~/.cache/hpct"
@@ -630,3 +630,27 @@ def test_nccl_wheel_row_for_torch_2_14_1s_cu13_wheel(tmp_path):
     stock = _nccl_site(tmp_path / "stock", "2.30.7", None, cuda="cu13")
     assert doctor.check_nccl_wheel(Probe(sys_path=[str(stock)])) == [Row(
         "nccl wheel", "info", f"nvidia-nccl-cu13 2.30.7 in {stock}: NVIDIA's build, no hpct series")]
+
+
+@pytest.mark.unit
+def test_every_libnccl_row_follows_the_installed_torch(good, real_nccl):
+    """Issue 41: on PyPI's torch 2.15.0 (which pins NCCL 2.30.7, cu13) the libnccl row told the fix
+    for torch 2.6 (nvidia-nccl-cu12, nccl-2.21.5-1.tar.gz) while the nccl-for-hpct row rightly named
+    the 2.30.7 drop-in: both rows now give the same advice, the one for the installed torch."""
+    torch = fake_torch(version="2.15.0+cu130", cuda="13.0")
+    stock = check_nccl(with_(good, nccl_paths=[real_nccl]), torch, None)
+    hpct_row = doctor.check_nccl_for_hpct(with_(good, nccl_paths=[real_nccl]), torch)
+    assert stock.fix == hpct_row.fix and "torch 2.15.0+cu130 pins NCCL 2.30.7" in stock.fix
+    assert "2.21.5" not in stock.fix and "cu12" not in stock.fix
+    missing = check_nccl(with_(good, nccl_paths=[]), torch, None)
+    assert missing.fix.endswith("install --no-deps nvidia-nccl-cu13==2.30.7")
+    patched = check_nccl(with_(good, nccl_paths=[real_nccl]), fake_torch(), None)     # hpct's torch 2.6.0
+    assert "nccl-2.21.5-1.tar.gz" in patched.fix
+
+
+@pytest.mark.unit
+def test_the_drop_in_wheel_names_are_the_nccl_manifests():
+    import tomllib
+    from hpct.requirements import NCCL_DROP_IN, NCCL_WHEEL
+    pins = {p["version"]: p["wheel"] for p in tomllib.loads((REPO / "third_party" / "nccl.toml").read_text())["pins"]}
+    assert NCCL_WHEEL == pins and set(NCCL_DROP_IN.values()) <= set(pins)

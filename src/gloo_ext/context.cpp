@@ -518,6 +518,9 @@ class StorelessContext {
                             deadline - std::chrono::steady_clock::now()) + kFormSlack;
       return std::max(left, std::chrono::milliseconds(1));
     };
+    // The peer each wait is for: a failed wait names it (a stopped peer's recv timeout says nothing).
+    int peer = -1;
+    const char* step = "";
     try {
       auto buf = ctx->createUnboundBuffer(&count, sizeof(count));
       int64_t part = 0;
@@ -526,19 +529,23 @@ class StorelessContext {
       while (low < size_ && !(rank_ & low)) low <<= 1;
       for (int mask = 1; mask < low; mask <<= 1) {     // children: rank + 1, 2, 4, .. below low
         if (rank_ + mask >= size_) break;
-        in->recv(rank_ + mask, kFormSlot);
+        peer = rank_ + mask, step = "its count of the ranks below it";
+        in->recv(peer, kFormSlot);
         in->waitRecv(limit());
         count += part;
       }
       if (rank_ != 0) {
-        buf->send(rank_ - low, kFormSlot);
+        peer = rank_ - low, step = "it to take this rank's count";
+        buf->send(peer, kFormSlot);
         buf->waitSend(limit());
-        buf->recv(rank_ - low, kFormSlot);
+        step = "the group's total";
+        buf->recv(peer, kFormSlot);
         buf->waitRecv(limit());
       }
       for (int mask = low >> 1; mask >= 1; mask >>= 1) {
         if (rank_ + mask >= size_) continue;
-        buf->send(rank_ + mask, kFormSlot);
+        peer = rank_ + mask, step = "it to take the group's total";
+        buf->send(peer, kFormSlot);
         buf->waitSend(limit());
       }
     } catch (const gloo::AbortedException&) {
@@ -549,10 +556,14 @@ class StorelessContext {
       throw;
     } catch (const gloo::IoException& e) {
       ctx->abort("the storeless connect failed");
+      const std::string waited =
+          peer < 0 ? std::string()
+                   : " waiting for rank " + std::to_string(peer) + " (" + peers_[peer].first + ":" +
+                         std::to_string(peers_[peer].second) + ", " + step + ")";
       throw gloo::ConnectTimeoutException(
           "Storeless connect of rank " + std::to_string(rank_) + " (of " +
           std::to_string(size_) + ", generation " + std::to_string(generation_) +
-          ") did not form within the connect deadline: " + e.what());
+          ") did not form within the connect deadline" + waited + ": " + e.what());
     }
     if (count != size_) {
       ctx->abort("the storeless connect counted the wrong ranks");
