@@ -183,7 +183,7 @@ class NcclEngine(NcclOps, Launching, Forming):
     def _say_stuck(self, why: str) -> None:
         graphs = (f"; {self._captured} op(s) of this group were captured into CUDA graphs: destroy those graphs "
                   "(del graph) to let NCCL free the communicator" if self._captured else "")
-        print(f"hpct: {self._describe('shutdown')}: {why}{graphs}", file=sys.stderr, flush=True)
+        print(f"hpct: {self._describe('end of the communicator')}: {why}{graphs}", file=sys.stderr, flush=True)
 
     def _busy(self) -> bool:
         """Whether an op launched here may still run (the newest ends last on the one stream)."""
