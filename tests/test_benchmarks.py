@@ -87,11 +87,13 @@ def test_shrink_reports_hpct_against_stocks_re_initialisation_and_the_nccl_refer
 
 
 @pytest.mark.multihost
-def test_diagnose_matrix_in_rounds_and_serial_cover_the_same_pairs():
-    text = _run("diagnose.py", "--hosts", "4", "--no-profile", timeout=300)
+def test_diagnose_matrix_in_rounds_and_serial_cover_the_same_pairs_and_names_a_slow_link():
+    text = _run("diagnose.py", "--hosts", "4", "--slow-hosts", "4", "--ratios", "100", "--no-profile", timeout=300)
     # 4 hosts: 3 rounds of 2 pairs, or 6 rounds of one; nothing suspect on a clean bridge
     assert re.search(r"^\| 4 \| 3 \| [0-9.]+ \| 6 \| [0-9.]+ \| [0-9.]+x \| 0 \|$", text, re.MULTILINE), text
     assert "model at 1024 nodes" in text and "rounds 1023 x" in text and "one pair at a time 523776 x" in text
+    # one link at 1/100 of the median: the table has its row, and exactly that link was named
+    assert re.search(r"^\| 4 \| [0-9]+ \| 100 \| [0-9.e+-]+ \| [0-9]+ \| [0-9.]+ \| [0-9.]+ \| yes \|$", text, re.MULTILINE), text
 
 
 def test_profile_comm_benchmark_reports_overhead_and_accuracy():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -18,12 +19,13 @@ import pytest
 
 from hpct.config import Config
 from hpct.ports import free_port_block
-from hpct.diagnose import audit, diagnosis, schedule, verdict
+from hpct.diagnose import audit, diagnosis, links, schedule, verdict
+from hpct.diagnose.report import table as report_table
 from netns import netns_network, unavailable_reason
 
 CLI = "import sys; from hpct.cli import main; sys.exit(main())"
 DEADLINE_S = 90.0
-SUSPECT_EXIT, RENDEZVOUS_EXIT = 16, 11
+SUSPECT_EXIT, RENDEZVOUS_EXIT, TIMEOUT_EXIT = 16, 11, 17
 
 
 def _run(nodes, per_rank, args, nproc=1, hosts=None):
@@ -83,25 +85,40 @@ def hosts():
 ARGS = ["--timeout", "40"]
 
 
+@pytest.fixture(scope="module")
+def clean(hosts):
+    """Every rank's (exit code, stdout, stderr) of a diagnosis of the unimpaired hosts."""
+    return _run(hosts, lambda r: {}, [*ARGS, "--json"])
+
+
 # ---------------------------------------------------------------- a real fault
 
 @pytest.mark.multihost
 @pytest.mark.multiprocess
-def test_a_clean_run_exits_0_with_every_pair_measured(hosts):
-    got = _run(hosts, lambda r: {}, [*ARGS, "--json"])
+def test_a_clean_run_exits_0_with_every_pair_measured(clean):
+    got = clean
     codes = [c for c, _, _ in got]
     assert codes == [0, 0, 0, 0], got
     report = json.loads(got[0][1])
-    assert report["schema_version"] == 1 and report["nodes"] == 4
+    assert report["schema_version"] == 2 and report["complete"] is True and report["nodes"] == 4
     assert report["suspect_links"] == {} and report["suspect_nodes"] == {}
     assert len([r for r in report["links"] if r["kind"] == "inter"]) == 6      # every pair of 4
     assert report["settings"]["differences"] == {}
 
 
+@pytest.fixture(scope="module")
+def median(clean):
+    """The node-to-node median (MB/s, slower direction) of a clean run on these hosts."""
+    assert clean[0][0] in (0, SUSPECT_EXIT), clean[0]
+    return json.loads(clean[0][1])["medians"]["inter"]["bw_MBps"]
+
+
 @pytest.mark.multihost
 @pytest.mark.multiprocess
-def test_the_slowed_link_and_only_it_is_named_with_the_heatmap(hosts, tmp_path):
-    _slow(hosts[1], hosts[2])
+def test_a_link_at_a_hundredth_of_the_others_is_named_and_only_it_with_the_heatmap(hosts, median, tmp_path):
+    # 1/100 of this machine's median: the old byte-bounded probe moved 8 MiB x 3 each way over it
+    mbit = max(median * 8 / 100, 0.1)
+    _slow(hosts[1], hosts[2], f"{mbit:.2f}mbit")
     try:
         png = tmp_path / "matrix.png"
         got = _run(hosts, lambda r: {}, [*ARGS, "--json", "--plot", str(png)])
@@ -111,16 +128,48 @@ def test_the_slowed_link_and_only_it_is_named_with_the_heatmap(hosts, tmp_path):
             _tc(n, "qdisc", "del", "dev", "eth0", "root")
     assert [c for c, _, _ in got] == [SUSPECT_EXIT] * 4, got
     report = json.loads(got[0][1])
+    assert report["complete"] is True
     assert list(report["suspect_links"]) == ["1-2"], report["suspect_links"]
     assert report["suspect_nodes"] == {}
     slowed = next(r for r in report["links"] if (r["a"], r["b"]) == (1, 2))
-    assert slowed["alone"] is True and min(slowed["bw_ab_MBps"], slowed["bw_ba_MBps"]) < 30   # 200 Mbit/s
+    assert slowed["alone"] is True and min(slowed["bw_ab_MBps"], slowed["bw_ba_MBps"]) < median / 30
+    # bounded in time, not bytes: each direction streamed for about its window, however slow
+    assert slowed["window_ms"] < 1000, slowed
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 2000
     text = table[0][1]
     assert "suspect link node 1 (10.233.0.2, local rank 0, eth0) <-> node 2 (10.233.0.3, local rank 0, eth0)" \
         in text, text
-    assert "below 0.7 x the median" in text
+    assert re.search(r"bandwidth [0-9.]+ MB/s in [0-9]+ ms is below 0.7 x the median [0-9]+ MB/s \(1/[0-9]+ of it\)",
+                     text), text
     assert "hpct: error: 1 finding: suspect link node 1" in table[0][2]
+
+
+@pytest.mark.multihost
+@pytest.mark.multiprocess
+def test_a_timeout_prints_the_matrix_so_far_and_names_the_link_it_waited_on(hosts):
+    # 8 kbit/s: the probe's first 16 KiB chunk alone outlasts the --timeout; 2-3 is the last round's
+    _slow(hosts[2], hosts[3], "8kbit")
+    try:
+        got = _run(hosts, lambda r: {}, ["--timeout", "6", "--json"])
+    finally:
+        for n in (hosts[2], hosts[3]):
+            _tc(n, "qdisc", "del", "dev", "eth0", "root")
+    assert [c for c, _, _ in got] == [TIMEOUT_EXIT] * 4, got
+    report = json.loads(got[0][1])
+    assert report["complete"] is False
+    assert report["timeout"] == ("node-to-node round 3/3 did not end: ranks 2, 3 never reported "
+                                 "(link 2-3 still being measured)")
+    assert report["rounds_done"] == ["node-to-node round 1/3", "node-to-node round 2/3"]
+    # both earlier rounds and the other link of the last one
+    assert sorted(f"{r['a']}-{r['b']}" for r in report["links"]) == ["0-1", "0-2", "0-3", "1-2", "1-3"]
+    assert f"hpct: error: {report['timeout']}" in got[0][2], got[0][2]
+    for _, _, err in got:
+        assert "Traceback" not in err and "hpct: error:" in err, err
+    text = report_table(report)
+    assert "INCOMPLETE: node-to-node round 3/3 did not end" in text
+    assert "measured before that: 2 of 3 rounds, 5 links" in text
+    assert "verdict: none on the links (the diagnosis did not finish" in text
+    assert report["suspect_links"] == {} and set(report["unconfirmed_links"]) <= {"0-1", "0-2", "0-3", "1-2", "1-3"}
 
 
 # ---------------------------------------------------------------- the audit
@@ -222,6 +271,9 @@ def test_a_bad_node_is_named_and_a_bad_link_names_only_itself():
     slow = dict(links, **{"0-1": _row(0, 1, 1000.0, lat=200.0)})
     assert "latency 200 us is above 1.5 x the median 50 us" in verdict.judge(slow, 1).suspect_links["0-1"][0]
     assert verdict.judge(one, 1, verdict.Thresholds(bw_ratio=0.4)).clean
+    crawl = dict(links, **{"1-2": {**_row(1, 2, 0.3), "window_ms": 250.0}})
+    assert verdict.judge(crawl, 1).suspect_links["1-2"] == [
+        "bandwidth 0.3 MB/s in 250 ms is below 0.7 x the median 1000 MB/s (1/3333 of it)"]
 
 
 @pytest.mark.unit
@@ -233,6 +285,15 @@ def test_differences_name_the_ranks_of_each_value_and_skip_unknown():
     assert audit.redact("NCCL_IB_PASSWORD", "x").startswith("redacted:")
     assert audit.redact("HPCT_BLOB", "a" * 40).startswith("redacted:")
     assert audit.redact("NCCL_SOCKET_IFNAME", "eth0") == "eth0"
+
+
+@pytest.mark.unit
+def test_the_world_collectives_shrink_to_what_the_slowest_link_moves_in_a_window():
+    sizes = links.Sizes(window_s=0.1, collective=4 << 20)
+    assert links.collective_bytes(sizes, None) == 4 << 20
+    assert links.collective_bytes(sizes, 1000.0) == 4 << 20
+    assert links.collective_bytes(sizes, 2.0) == 100_000           # 2 MB/s x 0.1 s / 2
+    assert links.collective_bytes(sizes, 0.001) == 16 << 10        # never below 16 KiB
 
 
 @pytest.mark.unit

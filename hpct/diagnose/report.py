@@ -14,7 +14,8 @@ def where(report: dict, rank: int) -> str:
     """A rank as an operator finds it: node, host, local rank, interface."""
     p = report["nproc_per_node"]
     node = rank // p
-    iface = report["settings"]["per_rank"][rank].get("interface", "unknown")
+    per_rank = report["settings"]["per_rank"]          # empty when a timeout came before the audit
+    iface = per_rank[rank].get("interface", "unknown") if rank < len(per_rank) else "interface unknown"
     return f"node {node} ({report['hosts'][node]}, local rank {rank % p}, {iface})"
 
 
@@ -39,6 +40,11 @@ def suspects(report: dict) -> list[str]:
 def table(report: dict) -> str:
     lines = [f"hpct diagnose: {report['world_size']} ranks on {report['nodes']} nodes "
              f"({report['nproc_per_node']} per node), {report['seconds']} s", ""]
+    if not report["complete"]:
+        planned = sum(report["rounds"].values())
+        lines += [f"INCOMPLETE: {report['timeout']}",
+                  f"measured before that: {len(report['rounds_done'])} of {planned or 'the'} rounds, "
+                  f"{len(report['links'])} links", ""]
     if report["nodes"] < 2:
         lines.append("node-to-node links: none (one node: the inter-node matrix is empty)")
     header = f"{'link':<11} {'kind':<5} {'latency us':>10} {'a->b MB/s':>10} {'b->a MB/s':>10}  verdict"
@@ -64,7 +70,13 @@ def table(report: dict) -> str:
                      f"{ratio:.2f} x of it: {explained}")
     lines.append("")
     found = suspects(report)
-    lines += found or ["verdict: nothing suspect"]
+    if report["complete"]:
+        lines += found or ["verdict: nothing suspect"]
+    else:
+        lines += found + ["verdict: none on the links (the diagnosis did not finish; a link below its median "
+                          "in a round is judged only once measured alone)"]
+        lines += [f"below the median in its round, not measured alone: link {k}: {'; '.join(why)}"
+                  for k, why in report["unconfirmed_links"].items()]
     return "\n".join(lines)
 
 

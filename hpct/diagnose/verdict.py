@@ -34,6 +34,10 @@ class Verdict:
         return not self.suspect_links and not self.suspect_nodes
 
 
+def _mb(value: float) -> str:
+    return f"{value:.0f}" if value >= 10 else f"{value:.2g}"
+
+
 def slower(row: dict) -> float:
     return min(row["bw_ab_MBps"], row["bw_ba_MBps"])
 
@@ -62,8 +66,11 @@ def judge(rows: dict[str, dict], nproc: int, th: Thresholds = Thresholds(), *,
         m = medians[r["kind"]]
         why = []
         if slower(r) < th.bw_ratio * m["bw_MBps"]:
-            why.append(f"bandwidth {slower(r):.0f} MB/s is below {th.bw_ratio:g} x the median "
-                       f"{m['bw_MBps']:.0f} MB/s")
+            window = f" in {r['window_ms']:.0f} ms" if "window_ms" in r else ""
+            part = f"1/{m['bw_MBps'] / slower(r):.0f}" if slower(r) * 2 < m["bw_MBps"] else \
+                f"{slower(r) / m['bw_MBps']:.2f} x"
+            why.append(f"bandwidth {_mb(slower(r))} MB/s{window} is below {th.bw_ratio:g} x the median "
+                       f"{_mb(m['bw_MBps'])} MB/s ({part} of it)")
         if r["latency_us"] > max(th.lat_ratio * m["latency_us"], m["latency_us"] + th.lat_floor_us):
             why.append(f"latency {r['latency_us']:.0f} us is above {th.lat_ratio:g} x the median "
                        f"{m['latency_us']:.0f} us")
