@@ -8,6 +8,7 @@ the audit's comparison as pure functions.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -64,13 +65,20 @@ def _tc(node, *args):
                    text=True, timeout=30)
 
 
-def _slow(a, b, rate="200mbit"):
-    """Limit only the traffic between namespaces a and b, both ways."""
-    for src, dst in ((a, b), (b, a)):
-        _tc(src, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb")   # unmatched: unshaped
-        _tc(src, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:20", "htb", "rate", rate)
-        _tc(src, "filter", "add", "dev", "eth0", "protocol", "ip", "parent", "1:", "prio", "1", "u32",
-            "match", "ip", "dst", f"{dst.address}/32", "flowid", "1:20")
+@contextlib.contextmanager
+def _slowed(a, b, rate: str):
+    """Limit only the traffic between namespaces a and b, both ways, for the with-block."""
+    try:
+        for src, dst in ((a, b), (b, a)):
+            _tc(src, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb")   # unmatched: unshaped
+            _tc(src, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:20", "htb", "rate", rate)
+            _tc(src, "filter", "add", "dev", "eth0", "protocol", "ip", "parent", "1:", "prio", "1", "u32",
+                "match", "ip", "dst", f"{dst.address}/32", "flowid", "1:20")
+        yield
+    finally:
+        for n in (a, b):
+            subprocess.run(["ip", "netns", "exec", n.name, "tc", "qdisc", "del", "dev", "eth0", "root"],
+                           capture_output=True, timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -118,14 +126,10 @@ def median(clean):
 def test_a_link_at_a_hundredth_of_the_others_is_named_and_only_it_with_the_heatmap(hosts, median, tmp_path):
     # 1/100 of this machine's median: the old byte-bounded probe moved 8 MiB x 3 each way over it
     mbit = max(median * 8 / 100, 0.1)
-    _slow(hosts[1], hosts[2], f"{mbit:.2f}mbit")
-    try:
-        png = tmp_path / "matrix.png"
+    png = tmp_path / "matrix.png"
+    with _slowed(hosts[1], hosts[2], f"{mbit:.2f}mbit"):
         got = _run(hosts, lambda r: {}, [*ARGS, "--json", "--plot", str(png)])
         table = _run(hosts, lambda r: {}, ARGS)
-    finally:
-        for n in (hosts[1], hosts[2]):
-            _tc(n, "qdisc", "del", "dev", "eth0", "root")
     assert [c for c, _, _ in got] == [SUSPECT_EXIT] * 4, got
     report = json.loads(got[0][1])
     assert report["complete"] is True
@@ -147,13 +151,9 @@ def test_a_link_at_a_hundredth_of_the_others_is_named_and_only_it_with_the_heatm
 @pytest.mark.multihost
 @pytest.mark.multiprocess
 def test_a_timeout_prints_the_matrix_so_far_and_names_the_link_it_waited_on(hosts):
-    # 8 kbit/s: the probe's first 16 KiB chunk alone outlasts the --timeout; 2-3 is the last round's
-    _slow(hosts[2], hosts[3], "8kbit")
-    try:
+    # 4 kbit/s: the warm-up's first two 4 KiB chunks alone outlast the --timeout; 2-3 is the last round's
+    with _slowed(hosts[2], hosts[3], "4kbit"):
         got = _run(hosts, lambda r: {}, ["--timeout", "6", "--json"])
-    finally:
-        for n in (hosts[2], hosts[3]):
-            _tc(n, "qdisc", "del", "dev", "eth0", "root")
     assert [c for c, _, _ in got] == [TIMEOUT_EXIT] * 4, got
     report = json.loads(got[0][1])
     assert report["complete"] is False

@@ -97,8 +97,13 @@ def _word(*values: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(struct.pack(f"<{len(values)}q", *values)), dtype=torch.uint8)
 
 
+def raw(t: torch.Tensor) -> bytes:
+    """A uint8 tensor's bytes without numpy (not a dependency of hpct)."""
+    return bytes(t.tolist())
+
+
 def _unword(t: torch.Tensor) -> tuple:
-    return struct.unpack(f"<{t.numel() // 8}q", t.numpy().tobytes())
+    return struct.unpack(f"<{t.numel() // 8}q", raw(t))
 
 
 @dataclass(frozen=True)

@@ -59,9 +59,9 @@ def _collect(ctx, rows: dict, deadline: float, what: str, links: list[Link], par
     for q in others:
         try:
             measuring.wait(posted[q], deadline, what, q)
-            data = torch.zeros(struct.unpack("<q", sizes[q].numpy().tobytes())[0], dtype=torch.uint8)
+            data = torch.zeros(struct.unpack("<q", measuring.raw(sizes[q]))[0], dtype=torch.uint8)
             measuring.wait(ops.irecv_(ctx, data, q, REPORT)[0], deadline, what, q)
-            partial.rows |= json.loads(data.numpy().tobytes().decode())
+            partial.rows |= json.loads(measuring.raw(data).decode())
         except DiagnoseTimeout:
             missing.append(q)
     if missing:

@@ -170,7 +170,8 @@ class Communicator:
             if self._ending or self._ended:
                 return None
             self._ending = True
-        locked = self.lock.acquire(blocking=False)
+        # A poll holds the lock for microseconds: the flag is for a call that NCCL holds.
+        locked = self.lock.acquire(timeout=RAISE_EVERY_S)
         if not locked:                 # a call is inside NCCL: wake it, then wait for it
             end = time.monotonic() + ABORT_HELD_S
             while not locked and time.monotonic() < end:
