@@ -47,13 +47,26 @@ if [ $# -gt 0 ]; then
 else
   # The suite's tiers, one pytest run each, in this order; a test that carries several tier
   # markers runs in the first of them (tests/test_suite_layout.py: this list is the registered
-  # markers but gpu, and every test carries one).  slow last: the NCCL prebuild gets the most time.
-  TIER_MARKERS=(unit nccl_sim multiprocess multihost slow)
+  # markers but gpu, and every test carries one).  serial before the tiers that share the
+  # machine: it takes the tests that time themselves or fill both cores.  slow last: the NCCL
+  # prebuild gets the most time.
+  TIER_MARKERS=(unit nccl_sim serial multiprocess multihost slow)
+  # pytest-xdist workers per tier, where what serial leaves keeps a core idle: the profile
+  # (build/test-profile-*.jsonl, CPU / wall per test) measured 0.1-0.6 for the rest of the
+  # multiprocess tier (PyTorch's suites on hpct, the lossy links) and 0.1-1.2 for the rest of
+  # slow (Gloo's own suite sleeps; the image, wheel and source builds use one core each), against
+  # 1.2-1.9 for the serial tests, which also time themselves.  Each worker takes its ports from a
+  # range of its own (tests/conftest.py) and pytest gives it its own scratch folder; loadfile keeps
+  # a module's shared world in one worker.  unit and nccl_sim stay one at a time: their tests
+  # write the checkout's patched trees and time in-process deadlines, for a minute's gain at most.
+  declare -A TIER_WORKERS=([multiprocess]=3 [slow]=2)
   earlier=""
   for marker in "${TIER_MARKERS[@]}"; do
     tier "pytest $marker"
     tier_rc=0
+    workers=${TIER_WORKERS[$marker]:-}
     timeout --signal=INT --kill-after=60 40m "$PYTHON" -P -m pytest --durations=5 -p no:cacheprovider \
+      ${workers:+-n "$workers" --dist loadfile} \
       -m "$marker${earlier:+ and not ($earlier)}" --junitxml="build/junit-$marker.xml" || tier_rc=$?
     [ "$tier_rc" = 5 ] || [ "$tier_rc" = 0 ] || rc=$tier_rc        # 5: a tier with no test left
     earlier="${earlier:+$earlier or }$marker"

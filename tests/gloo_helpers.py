@@ -22,17 +22,12 @@ from hpct.ports import free_port_block, peer_table
 
 WORKER = str(Path(__file__).resolve().parent / "gloo_worker.py")
 
-# Port blocks are searched in [LOW, HIGH): below 20000 (hpct's ephemeral floor)
-# and below Linux's default ephemeral floor 32768, away from 29500.
-LOW, HIGH = 11000, 19000
-
-
 _used: set[int] = set()
 
 
 def free_block(count: int, host: str = "127.0.0.1") -> int:
     """A base B such that B..B+count-1 are all bindable now (and not handed out before)."""
-    base = free_port_block(count, LOW, HIGH, host, avoid=_used)
+    base = free_port_block(count, host=host, avoid=_used)      # the range: hpct.ports (per xdist worker)
     _used.update(range(base, base + count))
     return base
 

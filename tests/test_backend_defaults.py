@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.multiprocess
+# serial: the profile measured it filling both cores or timing itself (ci/test.sh)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.serial]
 
 CHILD = r"""
 import os, sys, datetime

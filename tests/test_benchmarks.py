@@ -16,7 +16,8 @@ import pytest
 
 from util import REPO
 
-pytestmark = pytest.mark.multiprocess
+# serial: the profile measured it filling both cores or timing itself (ci/test.sh)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.serial]
 
 
 def _run(script: str, *args: str, timeout: float = 300) -> str:

@@ -24,6 +24,9 @@ from hpct.diagnose import audit, diagnosis, links, schedule, verdict
 from hpct.diagnose.report import table as report_table
 from netns import netns_network, unavailable_reason
 
+# serial: the profile measured it filling both cores or timing itself (ci/test.sh)
+pytestmark = pytest.mark.serial
+
 CLI = "import sys; from hpct.cli import main; sys.exit(main())"
 DEADLINE_S = 90.0
 SUSPECT_EXIT, RENDEZVOUS_EXIT, TIMEOUT_EXIT = 16, 11, 17

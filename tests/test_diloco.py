@@ -13,6 +13,9 @@ import torch
 
 from hpct.demo.agent import Job, free_port_block
 
+# serial: the profile measured it filling both cores or timing itself (ci/test.sh)
+pytestmark = pytest.mark.serial
+
 WORKER = Path(__file__).with_name("diloco_worker.py")
 
 

@@ -19,6 +19,9 @@ import torch
 from hpct.demo.agent import Job, free_port_block
 from util import REPO
 
+# serial: the profile measured it filling both cores or timing itself (ci/test.sh)
+pytestmark = pytest.mark.serial
+
 
 
 WORKER = REPO / "tests" / "elastic_worker.py"

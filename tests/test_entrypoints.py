@@ -22,6 +22,9 @@ import pytest
 from hpct.cliutil import console_script
 from util import REPO
 
+# serial: the profile measured it filling both cores or timing itself (ci/test.sh)
+pytestmark = pytest.mark.serial
+
 PROFILE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"   # Debian's /etc/profile, root
 
 

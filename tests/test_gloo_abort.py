@@ -18,7 +18,8 @@ import pytest
 import hpct._gloo as gloo
 from gloo_helpers import kill_all, loopback_peers, start_worker
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("connect_mode")]
+# serial: the profile measured it filling both cores or timing itself (ci/test.sh)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("connect_mode"), pytest.mark.serial]
 
 OP_TIMEOUT = 60.0     # every "prompt" bound below is far below this
 

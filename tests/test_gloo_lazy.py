@@ -17,7 +17,8 @@ import pytest
 
 from gloo_helpers import loopback_peers, run_group
 
-pytestmark = pytest.mark.multiprocess
+# serial: the profile measured it filling both cores or timing itself (ci/test.sh)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.serial]
 
 LAZY = {"lazy": True}
 

@@ -20,6 +20,9 @@ from hpct.ports import free_port_block
 from launch_cluster import Agents, progress, records
 from netns import netns_network, unavailable_reason
 
+# serial: the profile measured it filling both cores or timing itself (ci/test.sh)
+pytestmark = pytest.mark.serial
+
 EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "ddp.py")
 FSDP2 = str(Path(EXAMPLE).with_name("fsdp2.py"))
 STEPS = ["--steps", "40", "--step-time", "0.03"]

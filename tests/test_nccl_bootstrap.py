@@ -22,6 +22,9 @@ import pytest
 
 from util import REPO, run_cli
 
+# serial: the profile measured it filling both cores or timing itself (ci/test.sh)
+pytestmark = pytest.mark.serial
+
 
 def _slow(test):
     return pytest.mark.slow(pytest.mark.multiprocess(test))

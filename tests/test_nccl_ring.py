@@ -31,6 +31,9 @@ from hpct.ports import PortPlan, free_port_block
 from netns import netns_network, unavailable_reason
 from util import REPO
 
+# serial: the profile measured it filling both cores or timing itself (ci/test.sh)
+pytestmark = pytest.mark.serial
+
 HARNESS = REPO / "tests" / "nccl" / "ring_harness.cc"
 OK, ABORTED, TIMEOUT, ADDR_IN_USE, MISMATCH, STALE = 0, 1, 2, 3, 4, 5
 # The ring's hello: proto "HCTRING1", magic, then rank, nranks, generation, group.

@@ -13,6 +13,9 @@ import sys
 
 import pytest
 
+# serial: the profile measured it filling both cores or timing itself (ci/test.sh)
+pytestmark = pytest.mark.serial
+
 
 @pytest.fixture
 def no_numpy(tmp_path, monkeypatch) -> dict:

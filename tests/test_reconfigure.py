@@ -18,6 +18,9 @@ import pytest
 from hpct.demo.agent import Job, free_port_block
 from util import REPO
 
+# serial: the profile measured it filling both cores or timing itself (ci/test.sh)
+pytestmark = pytest.mark.serial
+
 WORKER = REPO / "tests" / "reconfigure_worker.py"
 SIM_RUN = REPO / "tests" / "nccl_sim_run.py"
 DEADLINE = 180.0

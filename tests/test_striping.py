@@ -8,6 +8,9 @@ import pytest
 
 from util import run_rank_script
 
+# serial: the profile measured it filling both cores or timing itself (ci/test.sh)
+pytestmark = pytest.mark.serial
+
 RANK = r'''
 import json, os, sys
 import torch, torch.distributed as dist

@@ -60,6 +60,20 @@ def test_the_tiers_ci_test_sh_names_are_the_registered_markers():
     assert named == registered_markers() - {"gpu"}, (named, registered_markers())
 
 
+def test_only_tiers_of_waiting_tests_run_several_at_a_time():
+    """TIER_WORKERS (pytest-xdist workers per tier) names tiers of the list, never serial: the
+    tests that time themselves or fill both cores must not share the machine."""
+    text = (REPO / "ci" / "test.sh").read_text()
+    m = re.search(r"^\s*declare -A TIER_WORKERS=\(([^)]*)\)", text, re.MULTILINE)
+    assert m, "ci/test.sh has no declare -A TIER_WORKERS=(...)"
+    workers = dict(re.findall(r"\[(\w+)\]=(\d+)", m.group(1)))
+    tiers = re.search(r"^\s*TIER_MARKERS=\(([^)]*)\)", text, re.MULTILINE).group(1).split()
+    assert workers and set(workers) <= set(tiers) - {"serial", "unit"}, (workers, tiers)
+    assert all(2 <= int(n) <= 4 for n in workers.values()), workers
+    assert tiers.index("serial") < min(tiers.index(t) for t in workers), \
+        "serial must come before the shared tiers: a test marked serial and multiprocess runs in the first"
+
+
 def test_the_summary_reads_tiers_junit_reports_and_cache_logs(tmp_path, capsys):
     (tmp_path / "ci-tiers.tsv").write_text("setup\t7\nbuild\t140\npytest\t2400\n")
     (tmp_path / "junit-suite.xml").write_text(
