@@ -68,3 +68,43 @@ def test_an_unwritable_cache_stores_nothing_and_says_so(tmp_path):
     blocked.write_text("a file where the cache folder would be")
     env = {"XDG_CACHE_HOME": str(blocked)}
     assert build_cache.store("nccl", "2.30.7", "k", prefix(tmp_path), INPUTS, env) is None
+
+
+def test_a_pinned_download_is_kept_and_reused_only_while_its_sha256_is_the_pins(tmp_path, env):
+    from hpct.builder.sources import sha256_of
+    got = tmp_path / "a" / "pkg_x-1.0-py3-none-any.whl"
+    got.parent.mkdir()
+    got.write_bytes(b"the pinned wheel")
+    pin = sha256_of(got)
+    build_cache.keep_download(got, env)
+    dest = tmp_path / "b"
+    assert build_cache.reuse_download("pkg_x-1.0-*.whl", pin, dest, env) == dest / got.name
+    assert (dest / got.name).read_bytes() == b"the pinned wheel"
+    assert build_cache.reuse_download("pkg_x-1.0-*.whl", pin, tmp_path / "c", {**env, "HPCT_BUILD_CACHE": "0"}) is None
+    (build_cache.downloads(env) / got.name).write_bytes(b"a changed file")
+    assert build_cache.reuse_download("pkg_x-1.0-*.whl", pin, tmp_path / "d", env) is None
+    assert not (build_cache.downloads(env) / got.name).exists()        # removed, to be fetched again
+
+
+def test_a_second_checkout_takes_the_cuda_wheel_without_the_network(tmp_path, monkeypatch):
+    """The CUDA 12.4 toolchain's wheels are fetched once per machine, not once per clone: with
+    PyPI unreachable, a fresh checkout still gets the kept copy (sha256 checked)."""
+    from hpct.builder import cuda
+    from hpct.builder.layout import Layout
+    from hpct.builder.progress import Progress
+    from hpct.builder.sources import sha256_of
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    for name, value in {"PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": "http://127.0.0.1:1/simple",
+                        "PIP_FIND_LINKS": "", "PIP_RETRIES": "0", "PIP_TIMEOUT": "5"}.items():
+        monkeypatch.setenv(name, value)
+    first = tmp_path / "first" / "third_party" / "cache" / "cuda-12.4" / "wheels"
+    first.mkdir(parents=True)
+    wheel = first / "nvidia_fake_cu12-1.0-py3-none-any.whl"
+    wheel.write_bytes(b"a pinned wheel's bytes")
+    pin = sha256_of(wheel)
+    assert cuda._wheel(Layout(tmp_path / "first"), "12.4", "nvidia-fake-cu12", "1.0", pin, Progress(quiet=True)) == wheel
+    second = cuda._wheel(Layout(tmp_path / "second"), "12.4", "nvidia-fake-cu12", "1.0", pin, Progress(quiet=True))
+    assert second == tmp_path / "second" / "third_party" / "cache" / "cuda-12.4" / "wheels" / wheel.name
+    assert second.read_bytes() == wheel.read_bytes()
+    with pytest.raises(Exception, match="could not download nvidia-fake-cu12==1.0 with pip"):
+        cuda._wheel(Layout(tmp_path / "third"), "12.4", "nvidia-fake-cu12", "1.0", "0" * 64, Progress(quiet=True))

@@ -172,6 +172,7 @@ def test_cuda_without_a_debian_package_needs_cuda_home(scratch_root):
 @pytest.mark.unit
 def test_unreachable_debian_archive_names_what_was_tried(tmp_path, monkeypatch):
     monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))     # no download kept by earlier runs
     monkeypatch.setenv(cuda.APT_URI_ENV, "http://127.0.0.1:1/debian")
     with pytest.raises(ToolchainError) as err:
         cuda.cuda_toolchain(Layout(tmp_path), "12.4", Progress(quiet=True))
@@ -199,6 +200,7 @@ def test_unknown_cuda_for_headers():
 
 @pytest.mark.unit
 def test_pip_failure_is_a_toolchain_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))     # no download kept by earlier runs
     for name, value in {"PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": "http://127.0.0.1:1/simple",
                         "PIP_FIND_LINKS": "", "PIP_RETRIES": "0", "PIP_TIMEOUT": "5"}.items():
         monkeypatch.setenv(name, value)

@@ -235,8 +235,10 @@ def test_abort_is_ncclCommAbort_alone_and_ends_a_stuck_launch(no_breach, blockin
     assert not runner.is_alive(), "the launching threads did not return after the abort"
     assert took < 3.0, took
     for r, e in enumerate(ranks.engines):
-        assert isinstance(e.failure, NcclAbortedError)
-        with pytest.raises(NcclAbortedError):
+        # Rank 0's abort may reach rank 1 before the test aborts it: the simulated peer closed
+        # the link, and rank 1's poll fails the group with that remote error (then aborts).
+        assert isinstance(e.failure, NcclAbortedError) or (r > 0 and "[peer rank 0]" in str(e.failure)), e.failure
+        with pytest.raises(NcclGroupError):
             works[r].wait()
         calls = calls_once_ended(ranks.comm(r))
         assert "ncclCommAbort" in calls and "ncclCommRevoke" not in calls, calls

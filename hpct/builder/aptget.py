@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 from ..errors import ChecksumError, ToolchainError
+from . import build_cache
 from .layout import Layout
 from .progress import Progress
 from .sources import sha256_of
@@ -61,6 +62,9 @@ def download_deb(layout: Layout, dest: Path, deb: dict, progress: Progress, *, f
     for cached in dest.glob(f"{deb['package']}_*.deb"):
         if sha256_of(cached) == deb["sha256"]:
             return cached
+    if (kept := build_cache.reuse_download(f"{deb['package']}_*.deb", deb["sha256"], dest)) is not None:
+        progress.step(f"{name}: taken from the download cache ({build_cache.downloads()})")
+        return kept
     uri = apt_uri()
     if not uri:
         raise ToolchainError(f"{what} this machine lists no Debian archive to fetch {name} from", fix=fix)
@@ -103,6 +107,7 @@ def download_deb(layout: Layout, dest: Path, deb: dict, progress: Progress, *, f
             raise ChecksumError(f"{got[0].name}: sha256 {actual}, pinned {deb['sha256']} (deleted)",
                                 fix="run again; if it persists, the archive serves another build")
         os.replace(got[0], dest / got[0].name)
+        build_cache.keep_download(dest / got[0].name)
         return dest / got[0].name
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

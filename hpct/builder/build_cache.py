@@ -97,3 +97,46 @@ def store(name: str, version: str, k: str, prefix: Path, inputs: dict, env=None)
         return path
     except OSError:
         return None
+
+
+# ---- pinned downloads (the CUDA 12.4 toolchain's wheels and .deb), kept for every checkout ----
+# A fresh clone would fetch them again from PyPI and Debian on every run; a verified copy under
+# <cache>/hpct/downloads makes such a run independent of the network.  The sha256 is the pin's,
+# checked on every use, so a copy that changed is ignored (and removed).
+
+def downloads(env=None) -> Path:
+    return root(env).parent / "downloads"
+
+
+def reuse_download(pattern: str, sha256: str, dest: Path, env=None) -> Path | None:
+    """A kept download matching ``pattern`` with the pinned ``sha256``, copied into ``dest``."""
+    if not enabled(env):
+        return None
+    for kept in sorted(downloads(env).glob(pattern)):
+        if sha256_of(kept) != sha256:
+            kept.unlink(missing_ok=True)
+            continue
+        dest.mkdir(parents=True, exist_ok=True)
+        staging = dest / f".{kept.name}.cache-tmp"
+        shutil.copy2(kept, staging)
+        os.replace(staging, dest / kept.name)
+        return dest / kept.name
+    return None
+
+
+def keep_download(path: Path, env=None) -> None:
+    """Keep a verified download for later runs (written aside, then renamed); best effort."""
+    if not enabled(env):
+        return
+    folder = downloads(env)
+    try:
+        kept = folder / path.name
+        if kept.is_file() and kept.stat().st_size == path.stat().st_size:
+            return                        # kept already (its sha256 is checked when it is used)
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=folder)
+        os.close(fd)
+        shutil.copy2(path, staging)
+        os.replace(staging, folder / path.name)
+    except OSError:
+        pass

@@ -24,6 +24,7 @@ import zipfile
 from pathlib import Path
 
 from ..errors import ChecksumError, ConfigError, ToolchainError
+from . import build_cache
 from .aptget import APT_URI_ENV, download_deb
 from .layout import Layout, atomic_dir
 from .progress import Progress
@@ -118,6 +119,9 @@ def _wheel(layout: Layout, cuda: str, package: str, version: str, sha256: str,
     wheels.mkdir(parents=True, exist_ok=True)
     pattern = f"{package.replace('-', '_')}-{version}-*.whl"
     found = sorted(wheels.glob(pattern))
+    if not found and (kept := build_cache.reuse_download(pattern, sha256, wheels)) is not None:
+        progress.step(f"{package}=={version}: taken from the download cache ({build_cache.downloads()})")
+        found = [kept]
     if not found:
         progress.step(f"downloading {package}=={version} from PyPI")
         tmp = wheels / f".tmp-{package}"
@@ -146,6 +150,7 @@ def _wheel(layout: Layout, cuda: str, package: str, version: str, sha256: str,
         raise ChecksumError(f"{found[0].name}: sha256 {actual}, pinned {sha256} (file deleted)",
                             fix="run the command again to download it afresh; if it persists, "
                                 "the index serves a different build of that wheel")
+    build_cache.keep_download(found[0])
     return found[0]
 
 
