@@ -94,6 +94,24 @@ def lock(version: str, wait_s: float):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def ensure_built(version: str) -> Path:
+    """The test build of ``version`` (SendRecv only), made now unless the prebuild or another
+    test made it (then hpct-build only relinks); the test is skipped when it cannot run here.
+    Tests in other xdist workers that need it wait on the same lock, never skip for its absence."""
+    import pytest
+    from util import run_cli
+    reason = why_not(version)
+    if reason:
+        pytest.skip(reason)
+    args, env = build_args(version)
+    with lock(version, wait_s=3600):
+        started = time.monotonic()
+        proc = run_cli("hpct-build", *args, env=env, timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    print(f"\nNCCL {version} (SendRecv) built in {time.monotonic() - started:.0f} s")
+    return REPO / "third_party" / "build" / f"nccl-{version}" / "install"
+
+
 def main() -> int:
     with contextlib.ExitStack() as held:
         # Take every lock before the first build, so that no fixture starts a build beside it.

@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 
@@ -504,20 +503,7 @@ def test_the_wheel_replaces_nvidias_and_doctor_tells_them_apart(stand_in_wheel, 
 def real_build() -> Path:
     """NCCL 2.21.5 with the series, SendRecv only (tests/nccl_prebuild.py may have built it
     already: then this only relinks)."""
-    return _real_build(VERSION)
-
-
-def _real_build(version: str) -> Path:
-    reason = nccl_prebuild.why_not(version)
-    if reason:
-        pytest.skip(reason)
-    args, env = nccl_prebuild.build_args(version)
-    with nccl_prebuild.lock(version, wait_s=3600):
-        started = time.monotonic()
-        proc = run_cli("hpct-build", *args, env=env, timeout=3600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    print(f"\nNCCL {version} (SendRecv) built in {time.monotonic() - started:.0f} s")
-    return REPO / "third_party" / "build" / f"nccl-{version}" / "install"
+    return nccl_prebuild.ensure_built(VERSION)
 
 
 def dynamic_symbols(lib: Path) -> set[str]:
@@ -637,7 +623,7 @@ NEW_PIN = nccl_prebuild.NEW
 @pytest.fixture(scope="session")
 def real_build_230() -> Path:
     """NCCL 2.30.7 with the series, SendRecv only, one arch, CUDA 13.0 (CUDA_HOME or /usr/local/cuda)."""
-    return _real_build(NEW_PIN)
+    return nccl_prebuild.ensure_built(NEW_PIN)
 
 
 @pytest.mark.slow
