@@ -52,11 +52,15 @@ def test_every_collected_test_has_a_tier_marker():
     assert proc.returncode == 5, proc.stdout[-2000:] + proc.stderr[-2000:]     # 5: nothing collected
 
 
-def test_the_tiers_ci_test_sh_names_are_the_registered_markers():
-    text = (REPO / "ci" / "test.sh").read_text()
-    m = re.search(r"^\s*TIER_MARKERS=\(([^)]*)\)", text, re.MULTILINE)
+def ci_tiers() -> list[str]:
+    """ci/test.sh's TIER_MARKERS, in order."""
+    m = re.search(r"^\s*TIER_MARKERS=\(([^)]*)\)", (REPO / "ci" / "test.sh").read_text(), re.MULTILINE)
     assert m, "ci/test.sh has no TIER_MARKERS=(...) list"
-    named = set(m.group(1).split())
+    return m.group(1).split()
+
+
+def test_the_tiers_ci_test_sh_names_are_the_registered_markers():
+    named = set(ci_tiers())
     assert named == registered_markers() - {"gpu"}, (named, registered_markers())
 
 
@@ -67,7 +71,7 @@ def test_only_tiers_of_waiting_tests_run_several_at_a_time():
     m = re.search(r"^\s*declare -A TIER_WORKERS=\(([^)]*)\)", text, re.MULTILINE)
     assert m, "ci/test.sh has no declare -A TIER_WORKERS=(...)"
     workers = dict(re.findall(r"\[(\w+)\]=(\d+)", m.group(1)))
-    tiers = re.search(r"^\s*TIER_MARKERS=\(([^)]*)\)", text, re.MULTILINE).group(1).split()
+    tiers = ci_tiers()
     assert workers and set(workers) <= set(tiers) - {"serial", "unit"}, (workers, tiers)
     assert all(2 <= int(n) <= 4 for n in workers.values()), workers
     assert tiers.index("serial") < min(tiers.index(t) for t in workers), \
