@@ -112,3 +112,21 @@ diff --git a/gloo/context.cc b/gloo/context.cc
     assert "0098-stale.patch does not apply: gloo/context.cc: hunk #1 (at line 1)" in proc.stderr
     # Nothing half-patched is left behind.
     assert not (seeded_root / "third_party/patched/gloo-5354032").exists()
+
+
+def test_two_patch_runs_at_once_serialize_and_the_second_reuses_the_tree(seeded_root):
+    # Two CI jobs (or two xdist workers) on one checkout: without the component's lock the
+    # second one's atomic_dir removed the first one's scratch folder, or failed its rename.
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "hpct.builder", "patch", "gloo", "--root", str(seeded_root)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+    errs = [err for _, err in outs]
+    assert sum("patches applied" in e for e in errs) == 1, errs
+    assert sum("already applied" in e for e in errs) == 1, errs
+    assert not list((seeded_root / "third_party/patched").glob(".tmp-*"))
+    assert (seeded_root / "third_party/patched/gloo-5354032/.hpct-patched.json").is_file()

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from hpct.builder.locks import file_lock
 from hpct.builder.sources import sha256_of
 from gloo_helpers import free_block
 from util import REPO, run_cli, unguarded_calls
@@ -535,6 +536,14 @@ def fetch_torch_headers(dest: Path = TORCH_INCLUDE) -> Path:
     marker = dest / "torch" / "include" / "torch" / "csrc" / "distributed" / "c10d" / "ProcessGroupGloo.hpp"
     if marker.is_file():
         return dest
+    # test_pytorch_nccl shares these headers and may run beside us in another xdist worker
+    with file_lock(CACHE / "locks" / f"{dest.name}.lock", f"the torch {VERSION} headers"):
+        if not marker.is_file():
+            _download_torch_headers(dest)
+    return dest
+
+
+def _download_torch_headers(dest: Path) -> None:
     import tempfile
     import zipfile
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -552,13 +561,21 @@ def fetch_torch_headers(dest: Path = TORCH_INCLUDE) -> Path:
             z.extractall(scratch, [n for n in z.namelist() if n.startswith("torch/include/")])
         wheel.unlink()
         os.replace(scratch, dest)      # atomic: a half-extracted tree is never left at dest
-    return dest
 
 
 def fetch_extra_headers(dest: Path = TORCH_INCLUDE / "extra") -> Path:
     """fmt and cpp-httplib headers from Debian's packages (downloaded, unpacked, never installed)."""
-    if (dest / "httplib.h").is_file() and (dest / "fmt" / "format.h").is_file():
+    def done() -> bool:
+        return (dest / "httplib.h").is_file() and (dest / "fmt" / "format.h").is_file()
+    if done():
         return dest
+    with file_lock(CACHE / "locks" / "extra-headers.lock", "the fmt and cpp-httplib headers"):
+        if not done():
+            _download_extra_headers(dest)
+    return dest
+
+
+def _download_extra_headers(dest: Path) -> None:
     import tempfile
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="extra-headers-", dir=dest.parent) as tmp:
@@ -574,7 +591,6 @@ def fetch_extra_headers(dest: Path = TORCH_INCLUDE / "extra") -> Path:
         shutil.copy2(root / "usr/include/httplib.h", scratch / "httplib.h")
         shutil.copytree(root / "usr/include/fmt", scratch / "fmt")
         os.replace(scratch, dest)
-    return dest
 
 
 def changed_units() -> list[str]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..errors import BuildError, ToolchainError
 from .layout import Layout, write_atomic
+from .locks import one_at_a_time
 from .patches import load_series, patch, patched_info
 from .progress import Progress
 from .sources import Manifest, fetch
@@ -77,6 +78,7 @@ def _last_line(log: Path) -> str:
         return ""
 
 
+@one_at_a_time
 def build_gloo(layout: Layout, m: Manifest, progress: Progress, tests: bool = False,
                jobs: int | None = None) -> Path:
     """Fetch, patch, then CMake+ninja the patched Gloo into ``build/.../install``."""

@@ -23,6 +23,7 @@ from . import build_cache
 from .builder import require_tools, run_logged
 from .cuda import DEFAULT_CUDA, cuda_toolchain, pins, preflight
 from .layout import Layout, write_atomic
+from .locks import one_at_a_time
 from .patches import _project_file, load_series, patch
 from .progress import Progress
 from .sources import Manifest, fetch, sha256_of
@@ -131,6 +132,7 @@ def built_info(layout: Layout, m: Manifest) -> dict | None:
         return None
 
 
+@one_at_a_time
 def build_nccl(layout: Layout, m: Manifest, progress: Progress, tests: bool = False,
                jobs: int | None = None, cuda: str | None = None, cuda_arch: str | None = None,
                funcs: str | None = None) -> Path:

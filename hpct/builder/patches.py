@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..errors import PatchError, SourceError, ToolchainError
 from .layout import Layout, atomic_dir, write_atomic
+from .locks import one_at_a_time
 from .progress import Progress
 from .sources import STAMP, Manifest, sha256_of
 
@@ -355,6 +356,7 @@ def check(layout: Layout, m: Manifest, progress: Progress, record: bool = False)
     return series
 
 
+@one_at_a_time
 def patch(layout: Layout, m: Manifest, progress: Progress, force: bool = False) -> Path:
     """Make ``third_party/patched/<name>-<version>`` the pristine tree plus the series."""
     series = load_series(layout, m)

@@ -28,6 +28,7 @@ from ..errors import ConfigError, SourceError, ToolchainError
 from .builder import require_tools, run_logged
 from .cuda import DEFAULT_CUDA as TORCH_CUDA   # torch 2.6.0's cu124 wheels
 from .layout import Layout, write_atomic
+from .locks import one_at_a_time
 from .patches import load_series
 from .progress import Progress
 from .sources import Manifest, fetch, fetched_info, load_manifest
@@ -296,6 +297,7 @@ def _non_empty(path: Path) -> bool:
     return path.is_dir() and any(path.iterdir())
 
 
+@one_at_a_time
 def build(layout: Layout, m: Manifest, progress: Progress, *, cuda: bool = False, cuda_arch: str | None = None,
           nccl: str | None = None, jobs: int | None = None) -> Path:
     """Run the plan's steps in order (patch both trees, lay out the work tree, setup.py bdist_wheel)."""

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ..errors import ChecksumError, ConfigError, SourceError, ToolchainError
 from .layout import Layout, atomic_dir, write_atomic
+from .locks import one_at_a_time
 from .progress import Progress
 
 STAMP = ".hpct-source.json"
@@ -278,6 +279,7 @@ def _strip_for_unknown(archive: Path) -> int:
     return 1 if len(tops) == 1 else 0
 
 
+@one_at_a_time
 def fetch(layout: Layout, m: Manifest, progress: Progress, source: Path | None = None,
           force: bool = False) -> Path:
     """Make ``third_party/src/<name>-<version>`` the verified pinned tree."""
