@@ -2,8 +2,9 @@
 
 The binary is built by `hpct-build build gloo --tests` (the test command does it
 first).  It runs in gtest shards side by side: most of its wall time is spent in
-timeout and multi-process cases that sleep (0.16 CPU-seconds per second in CI), so more
-shards side by side help: on the 2-core CI machine, two took 293 s; idle, six took 103 s, eight 80 s, ten 62 s.
+timeout and multi-process cases that sleep (0.16 CPU-seconds per second in CI), so
+more shards help: on the 2-core CI machine two took 293 s; idle, six took 103 s,
+eight 80 s, ten 62 s.
 """
 
 from __future__ import annotations
