@@ -11,7 +11,10 @@ At step boundaries ``hd.membership_changed()`` says whether the agents grew the 
 node, or a node that came back after a shrink); every member then calls ``hd.grow()`` and the
 newcomers take the state the same way.
 Each step's batch is a function of (rank, step), so a run with faults ends with exactly the
-parameters of a run without: ``--out DIR`` writes each process's record and the final digest.
+parameters of a run without: ``--out DIR`` writes each process's record and the final digest,
+and appends every completed step to ``steps-<rank>.log`` as it goes (a killed process's steps
+stay counted).  ``--checkpoint FILE --checkpoint-every K`` is the stock way, for comparison: rank 0
+saves the state every K steps, and a process started again (torchrun's restart) resumes from it.
 """
 
 from __future__ import annotations
@@ -54,6 +57,22 @@ def join(model, opt, step: int, healthy: bool) -> int:
     return extra["step"]
 
 
+def load_checkpoint(path: str, model, opt) -> int:
+    """The step a saved state resumes at (0 with none); the state goes into model and opt."""
+    if not path or not os.path.exists(path):
+        return 0
+    saved = torch.load(path, weights_only=True)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    return int(saved["step"])
+
+
+def save_checkpoint(path: str, model, opt, step: int) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"       # renamed into place: a kill never leaves half a file
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
+    os.replace(tmp, path)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=100)
@@ -61,6 +80,8 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="folder for each process's record")
     ap.add_argument("--backend", default="hpct", help="hpct, or gloo for the stock reference run")
     ap.add_argument("--check-every", type=int, default=1, help="steps between membership_changed() checks")
+    ap.add_argument("--checkpoint", default=None, help="file to resume from and save to (the stock pattern)")
+    ap.add_argument("--checkpoint-every", type=int, default=0, help="rank 0 saves the state every K steps")
     args = ap.parse_args()
     rank, t_start = int(os.environ["RANK"]), time.time()
     record = {"rank": rank, "pid": os.getpid(), "generation": int(os.environ.get("HPCT_GENERATION") or 0),
@@ -73,6 +94,10 @@ def main() -> int:
     # A replacement holds no state until it joins; everyone else starts equal (same seed).
     healthy, step, net = record["generation"] == 0, 0, None
     must_join = not healthy
+    if args.checkpoint and healthy:
+        step = load_checkpoint(args.checkpoint, model, opt)
+        record["resumed_at"] = step
+    log = open(Path(args.out) / f"steps-{rank}.log", "a", buffering=1) if args.out else None
     while step < args.steps:
         try:
             if net is not None and args.backend == "hpct" and step % args.check_every == 0 \
@@ -101,8 +126,12 @@ def main() -> int:
         opt.step()
         record["steps"].append([step, time.time()])
         step += 1
-        if args.out:                # progress, for whoever watches the job (the tests do)
+        if args.checkpoint and args.checkpoint_every and step % args.checkpoint_every == 0 \
+                and dist.get_rank() == 0:
+            save_checkpoint(args.checkpoint, model, opt, step)
+        if args.out:                # progress, for whoever watches the job (the tests, the benchmarks)
             (Path(args.out) / f"progress-{rank}").write_text(str(step))
+            log.write(f"{step - 1} {record['steps'][-1][1]:.6f} {os.getpid()}\n")
         time.sleep(args.step_time)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     record.update(digest=digest, start=t_start, end=time.time())

@@ -1,0 +1,271 @@
+#!/usr/bin/env python3
+"""Goodput under random faults: one training job under hpct and under stock torchrun, one fault schedule.
+
+examples/ddp.py (``--step-time`` seconds of simulated compute per step) runs on NODES x WORKERS
+in network namespaces (one per node, on a bridge), under two systems in the same invocation:
+
+* **hpct**: ``hpct run --standby 1`` (a warm standby per node replaces a lost worker in place;
+  the survivors recover in-process);
+* **stock**: ``torchrun --max-restarts`` on Gloo, ``--checkpoint-every K``: rank 0 saves the state
+  every K steps, a fault restarts every worker and they resume from the last checkpoint.
+
+Both get the same seeded schedule (benchmarks/goodput_faults.py, ``--kinds``): SIGKILL of a
+worker; SIGSTOP of a worker for ``--stop-s`` (below every grace); a SIGKILL and another one
+``--during-s`` later, inside the first one's recovery.  Reported for each system:
+
+* goodput: steps that count x the fault-free step time / wall time (launch to the job's end;
+  the fault-free step time is measured by a short run of the same system first);
+* lost time (wall minus counted) and its ratio, hpct against stock;
+* steps redone (max over ranks), and each fault's time to the next step of every rank;
+* how each fault ended, and whether the final parameters equal a fault-free run's bit for bit
+  (a stock Gloo run without faults and without simulated compute, made first).
+
+Not yet injected (issue 42 asks for them): a node's agent killed with its workers, a SIGSTOP
+longer than the grace, a lossy link for a minute.
+
+    python benchmarks/goodput.py [--config 3x2] [--minutes 3] [--mtbf 20] [--seed 1] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import goodput_faults as gf
+from launch import EXAMPLE, REPO, TAG_VAR, _descendants, _environ, _kill_tagged, _torch_version, table
+
+SUBNET = "10.238.0"
+SYSTEMS = {"hpct": "hpct run --standby 1", "stock": "torchrun --max-restarts, checkpoint every K steps"}
+CALIBRATION_STEPS = 30
+MAX_DELAY_S = 60.0     # a fault due while no process holds its rank waits for the next one this long
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Job:
+    """One system's run of examples/ddp.py: start, current worker pids, end."""
+
+    def __init__(self, system: str, tmp: Path, ns, args, steps: int, step_time: float) -> None:
+        self.system, self.tmp, self.ns, self.args = system, tmp, ns, args
+        self.nodes, self.nproc = args.nodes, args.nproc
+        self.world = self.nodes * self.nproc
+        self.tag = uuid.uuid4().hex
+        self.out = tmp / "out"
+        self.out.mkdir(parents=True)
+        self.script = [str(EXAMPLE), "--steps", str(steps), "--step-time", str(step_time), "--out", str(self.out)]
+        self.procs: list[subprocess.Popen] = []
+        self.agents = None
+
+    def start(self) -> None:
+        env = {"OMP_NUM_THREADS": "1", TAG_VAR: self.tag}
+        if self.system == "hpct":
+            from launch_cluster import Agents
+            flags = ["--nnodes", str(self.nodes), "--nproc-per-node", str(self.nproc), "--standby", "1",
+                     "--rdzv-id", "goodput", "--hosts", ",".join(n.address for n in self.ns[:self.nodes])]
+            env["HPCT_CONNECT_TIMEOUT"] = "30"
+            self.agents = Agents(self.tmp, [*flags, *self.script], nodes=self.nodes, namespaces=self.ns, env=env)
+            self.agents.start()
+            self.procs = self.agents.procs
+            return
+        env = {**os.environ, **env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "GLOO_SOCKET_IFNAME": "eth0"}
+        ckpt = ["--backend", "gloo"]
+        if self.args.checkpoint_every:
+            ckpt += ["--checkpoint", str(self.tmp / "ckpt.pt"), "--checkpoint-every", str(self.args.checkpoint_every)]
+        for n in range(self.nodes):
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.nproc),
+                    "--max-restarts", "1000", "--nnodes", str(self.nodes), "--node-rank", str(n),
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.ns[0].address}:29400",
+                    "--rdzv-id", self.tag[:12], "--rdzv-conf", f"is_host={int(n == 0)}",
+                    "--local-addr", self.ns[n].address, *self.script, *ckpt]
+            with open(self.tmp / f"torchrun-{n}.log", "w") as log:
+                self.procs.append(self.ns[n].popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                   cwd=str(self.tmp), start_new_session=True))
+
+    def pids(self) -> dict[int, int]:
+        """Each rank's current worker (-1 where none is known now)."""
+        if self.system == "hpct":
+            return {r: self.agents.worker_pid(r // self.nproc, r) for r in range(self.world)}
+        best: dict[int, tuple[int, int]] = {}
+        for pid in _descendants([p.pid for p in self.procs]):
+            e = _environ(pid)
+            if e.get(TAG_VAR) == self.tag and "RANK" in e and "TORCHELASTIC_RESTART_COUNT" in e and _alive(pid):
+                key = (int(e["TORCHELASTIC_RESTART_COUNT"]), pid)
+                best[int(e["RANK"])] = max(best.get(int(e["RANK"]), key), key)
+        return {r: best[r][1] if r in best else -1 for r in range(self.world)}
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    def codes(self) -> list[int | None]:
+        return [p.poll() for p in self.procs]
+
+    def logs_tail(self) -> str:
+        files = sorted(self.tmp.glob("agent-*.err")) + sorted(self.tmp.glob("torchrun-*.log"))
+        return "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-1500:]}" for f in files)
+
+    def stop(self) -> None:
+        if self.agents is not None:
+            self.agents.stop()
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    p.kill()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        _kill_tagged(self.tag)
+
+
+def _signal(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _first_step(job: Job, deadline: float) -> float:
+    """time.time() when every rank has completed a step (the schedule's zero)."""
+    from launch_cluster import progress
+    while min(progress(job.out, r) for r in range(job.world)) < 1:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{job.system}: not every rank completed a step in time\n{job.logs_tail()}")
+        if not job.running():
+            raise RuntimeError(f"{job.system}: a launcher exited before the first step\n{job.logs_tail()}")
+        time.sleep(0.02)
+    return time.time()
+
+
+def run(system: str, ns, args, steps: int, step_time: float, faults: list[gf.Fault]) -> dict:
+    """One job to its end, the faults applied on schedule; its step logs, records and faults."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"hpct-goodput-{system}-"))
+    job = Job(system, tmp, ns, args, steps, step_time)
+    injected: list[dict] = []
+    started = time.time()
+    deadline = time.monotonic() + args.timeout
+    conts: list[tuple[float, int]] = []
+    try:
+        job.start()
+        zero = _first_step(job, deadline)
+        todo = list(faults)
+        while job.running():
+            now = time.time()
+            for when, pid in [c for c in conts if c[0] <= now]:
+                _signal(pid, signal.SIGCONT)
+                conts.remove((when, pid))
+            if todo and now >= zero + todo[0].at_s:
+                f = todo[0]
+                pids = job.pids()
+                victim = pids[f.rank] if pids[f.rank] > 0 and _alive(pids[f.rank]) else -1
+                if victim < 0 and now < zero + f.at_s + MAX_DELAY_S:
+                    time.sleep(0.01)        # the rank is between processes (a restart): hit the next one
+                    continue
+                todo.pop(0)
+                if victim > 0:
+                    sig = signal.SIGSTOP if f.kind == "stop" else signal.SIGKILL
+                    t = time.time()
+                    if _signal(victim, sig):
+                        injected.append({**f.__dict__, "t": t, "pid": victim, "pids": pids,
+                                         "delayed_s": round(t - zero - f.at_s, 3)})
+                        print(f"  {system}: t+{t - zero:6.1f} s {f.kind} rank {f.rank} (pid {victim})",
+                              file=sys.stderr, flush=True)
+                        if f.kind == "stop":
+                            conts.append((t + args.stop_s, victim))
+                        if f.kind == "during":
+                            time.sleep(args.during_s)
+                            second = job.pids()[f.other]
+                            if second > 0 and _signal(second, signal.SIGKILL):
+                                injected[-1]["other_pid"] = second
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{system}: the job ran past --timeout {args.timeout:g} s\n{job.logs_tail()}")
+            time.sleep(0.01)
+        ended = time.time()
+        codes = job.codes()
+        error = None if all(c == 0 for c in codes) else f"{system}: launchers exited {codes}\n{job.logs_tail()}"
+    except (TimeoutError, RuntimeError, OSError) as err:
+        ended, error = time.time(), str(err)
+    finally:
+        for _, pid in conts:
+            _signal(pid, signal.SIGCONT)
+        job.stop()
+    logs = gf.step_log(job.out, job.world)
+    digests = sorted({json.loads(p.read_text())["digest"] for p in job.out.glob("rank*-pid*.json")})
+    first = min((rows[0][1] for rows in logs.values() if rows), default=ended)
+    last = max((rows[-1][1] for rows in logs.values() if rows), default=ended)
+    return {"system": system, "folder": str(tmp), "error": error, "wall_s": ended - started,
+            "startup_s": round(first - started, 2), "shutdown_s": round(ended - last, 2),
+            "logs": logs, "digests": digests, "injected": injected, "tmp": tmp}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="3x2", help="NODESxWORKERS, one network namespace per node")
+    ap.add_argument("--minutes", type=float, default=3.0, help="fault-free training time of the job")
+    ap.add_argument("--mtbf", type=float, default=20.0, help="mean seconds between faults, whole job")
+    ap.add_argument("--seed", type=int, default=None, help="the schedule's seed (default: random, printed)")
+    ap.add_argument("--kinds", default=",".join(gf.KINDS), help=f"comma list of {', '.join(gf.KINDS)}")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of hpct, stock")
+    ap.add_argument("--step-time", type=float, default=0.1, help="seconds of simulated compute per step")
+    ap.add_argument("--checkpoint-every", type=int, default=20, help="stock: steps between checkpoints")
+    ap.add_argument("--stop-s", type=float, default=1.0, help="how long a SIGSTOPped worker stays stopped")
+    ap.add_argument("--during-s", type=float, default=0.3, help="the second kill's delay in a 'during' fault")
+    ap.add_argument("--timeout", type=float, default=None, help="seconds per job (default: 3x --minutes + 120)")
+    ap.add_argument("--keep", action="store_true", help="keep every job's folder (failed jobs' always)")
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args(argv)
+    from goodput_report import check_args, report
+    check_args(args, ap)
+    sys.path.insert(0, str(REPO / "tests"))      # the namespaces and agents harness of the tests
+    from netns import netns_network, unavailable_reason
+    if why := unavailable_reason():
+        print(f"goodput: {why}", file=sys.stderr)
+        return 1
+    print(f"goodput: seed {args.seed} (rerun with --seed {args.seed})", file=sys.stderr, flush=True)
+    results = {}
+    with netns_network(args.nodes, name_prefix="hpct-bgood", subnet=SUBNET) as ns:
+        for system in args.systems:
+            results[f"{system}-calibration"] = run(system, ns, args, CALIBRATION_STEPS, args.step_time, [])
+        step_s = {s: gf.fault_free_step_s(results[f"{s}-calibration"]["logs"])
+                  if results[f"{s}-calibration"]["error"] is None else None for s in args.systems}
+        known = [v for v in step_s.values() if v]
+        args.steps = CALIBRATION_STEPS
+        if not known:
+            print(report(results, step_s, [], args)[1])
+            return 1
+        horizon = args.minutes * 60
+        args.steps = max(CALIBRATION_STEPS, round(horizon / known[0]))     # the same job for both systems
+        results["reference"] = run("stock", ns, args, args.steps, 0.0, [])   # the digest without faults
+        faults = gf.schedule(args.seed, args.mtbf, horizon * 0.9, args.nodes * args.nproc, args.kinds)
+        for system in args.systems:
+            results[system] = run(system, ns, args, args.steps, args.step_time, faults)
+    doc, text, ok = report(results, step_s, faults, args)
+    print(text)
+    for r in results.values():
+        if r["error"] is None and not args.keep and ok:
+            import shutil
+            shutil.rmtree(r["tmp"], ignore_errors=True)
+    if args.json:
+        tmp = Path(args.json + ".tmp")
+        tmp.write_text(json.dumps({**doc, "torch": _torch_version(), "cpus": os.cpu_count()}, indent=1) + "\n")
+        os.replace(tmp, args.json)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The goodput soak's fault schedule and its accounting (benchmarks/goodput.py runs the jobs).
+
+A schedule is drawn from a seed: fault times at exponential gaps of mean ``--mtbf`` seconds
+(the whole job's mean time between faults), each with a kind and a target rank.  Both systems
+get the same schedule, measured from their first step.
+
+The accounting reads what examples/ddp.py writes with ``--out``: ``steps-<rank>.log``, one
+line per completed step (step, time.time(), pid), appended by every process that ever held
+the rank (a killed one's steps stay), and the finishing processes' records with their digest.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+KINDS = {
+    "kill": "SIGKILL of a worker",
+    "stop": "SIGSTOP of a worker, SIGCONT after --stop-s (below every grace)",
+    "during": "SIGKILL of a worker, and of another one --during-s later (a fault during the recovery)",
+}
+
+
+@dataclass(frozen=True)
+class Fault:
+    at_s: float        # seconds after the job's first step
+    kind: str
+    rank: int
+    other: int         # the second victim of "during" (else -1)
+
+
+def schedule(seed: int, mtbf_s: float, horizon_s: float, world: int, kinds: list[str]) -> list[Fault]:
+    """Faults in [mtbf/2, horizon): exponential gaps, kinds and ranks drawn uniformly."""
+    rng = random.Random(seed)
+    faults, t = [], mtbf_s / 2
+    while True:
+        t += rng.expovariate(1.0 / mtbf_s)
+        if t >= horizon_s:
+            return faults
+        kind = rng.choice(kinds)
+        rank = rng.randrange(world)
+        other = rng.choice([r for r in range(world) if r != rank]) if kind == "during" else -1
+        faults.append(Fault(round(t, 3), kind, rank, other))
+
+
+def step_log(out: Path, world: int) -> dict[int, list[tuple[int, float, int]]]:
+    """Every completed step of every rank: (step, time, pid), in time order."""
+    logs = {}
+    for rank in range(world):
+        lines = (out / f"steps-{rank}.log").read_text().splitlines() if (out / f"steps-{rank}.log").exists() else []
+        rows = []
+        for line in lines:
+            parts = line.split()
+            if len(parts) == 3:          # a line cut by a kill is not a step
+                rows.append((int(parts[0]), float(parts[1]), int(parts[2])))
+        logs[rank] = sorted(rows, key=lambda r: r[1])
+    return logs
+
+
+def fault_free_step_s(logs: dict[int, list[tuple[int, float, int]]], skip: int = 5) -> float:
+    """The mean step time of a run without faults, past its first ``skip`` steps (warm-up)."""
+    per_rank = []
+    for rows in logs.values():
+        rows = rows[skip:]
+        if len(rows) >= 2:
+            per_rank.append((rows[-1][1] - rows[0][1]) / (len(rows) - 1))
+    if not per_rank:
+        raise RuntimeError("the fault-free run completed too few steps to time one")
+    return statistics.fmean(per_rank)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def account(logs, injected: list[dict], steps: int, step_s: float, wall_s: float) -> dict:
+    """Goodput, steps redone and each fault's time to the next step of every rank.
+
+    ``injected``: the faults as applied ({"t": time.time(), "kind", "rank", "pid", ...}).
+    """
+    redone = {r: len(rows) - len({s for s, _, _ in rows}) for r, rows in logs.items()}
+    # A rank killed between its optimizer step and its log line leaves that step out of its own
+    # log only; a step no rank logged was never completed.
+    done = {s for rows in logs.values() for s, _, _ in rows}
+    missing = sorted(set(range(steps)) - done)
+    gaps = []
+    for f in injected:
+        nexts = [min((t for _, t, _ in rows if t > f["t"]), default=None) for rows in logs.values()]
+        if any(n is None for n in nexts):
+            f["next_step_s"] = None          # the job ended before every rank stepped again
+            continue
+        f["next_step_s"] = round(max(nexts) - f["t"], 4)
+        gaps.append(f["next_step_s"])
+    counted_s = steps * step_s
+    return {
+        "goodput": round(counted_s / wall_s, 4) if wall_s > 0 else None,
+        "wall_s": round(wall_s, 2),
+        "counted_s": round(counted_s, 2),
+        "lost_s": round(wall_s - counted_s, 2),
+        "step_s": round(step_s, 5),
+        "steps_redone": max(redone.values(), default=0),
+        "steps_missing": missing,
+        "next_step_s": ({"median": round(statistics.median(gaps), 3), "p95": round(percentile(gaps, 0.95), 3),
+                         "max": round(max(gaps), 3)} if gaps else None),
+    }
+
+
+def outcome(fault: dict, logs, until: float = float("inf")) -> str:
+    """How a fault ended: which ranks are held by another process than at the fault
+    (``fault["pids"]``), against the ranks it hit.  A rank's holder is the process of its last
+    step before ``until`` (the next fault): a step already in flight at the kill may still
+    complete on a survivor that its system restarts right after."""
+    holder = {}
+    for r, rows in logs.items():
+        after = [(t, pid) for _, t, pid in rows if t > fault["t"]]
+        if not after:
+            return "after the job's end"
+        settled = [pid for t, pid in after if t < until]
+        holder[r] = settled[-1] if settled else after[0][1]
+    changed = {r for r, pid in holder.items() if fault["pids"][r] != pid}
+    hit = {fault["rank"]} | ({fault["other"]} if fault["other"] >= 0 else set())
+    if len(changed) == len(logs):
+        return "every worker restarted"
+    if fault["kind"] == "stop":
+        return "rode through" if not changed else "replaced in place" if changed == hit else \
+            f"unexplained: ranks {sorted(changed)} have new processes"
+    if changed == hit:
+        return "replaced in place"
+    return f"unexplained: ranks {sorted(changed)} have new processes, {sorted(hit)} were hit"
+
+
+def as_dicts(faults: list[Fault]) -> list[dict]:
+    return [asdict(f) for f in faults]
