@@ -108,3 +108,24 @@ def test_a_short_soak_ends_clean_on_hpct_and_on_torchrun(tmp_path):
         assert len(doc["systems"][system]["digests"]) == 1
     assert doc["systems"]["hpct"]["accounting"]["steps_redone"] == 0
     assert doc["systems"]["hpct"]["digests"] == doc["systems"]["stock"]["digests"]
+
+
+@pytest.mark.unit
+def test_the_model_carries_the_measured_costs_to_a_job_size(tmp_path):
+    import goodput_model as gm
+    doc = {"benchmark": "goodput", "schema": 1, "config": "2x2", "seed": 1, "systems": {
+        "hpct": {"faults": [{"kind": "kill", "next_step_s": 0.4}, {"kind": "stop", "next_step_s": 1.0},
+                            {"kind": "during", "next_step_s": 0.6}]},
+        "stock": {"faults": [{"kind": "kill", "next_step_s": 20.0}]}}}
+    costs = gm.per_fault_costs(doc)
+    assert costs == {"hpct": 0.5, "stock": 20.0}            # SIGKILLs only: a stop is no lost GPU
+    assert gm.cost("stock", 20.0, 30.0) == 920.0 and gm.cost("hpct", 0.5, 30.0) == 0.5
+    # 10,000 GPUs at one fault per 3 h per 1,000: 10/3 faults an hour, 920 s each
+    assert gm.goodput(10000, 1 / 3, 920.0) == pytest.approx(1 - (10 / 3) * 920 / 3600)
+    assert gm.goodput(100000, 1 / 3, 920.0) == 0.0
+    bad = tmp_path / "other.json"
+    bad.write_text(json.dumps({"benchmark": "launch", "schema": 1}))
+    proc = subprocess.run([sys.executable, str(BENCH / "goodput_model.py"), "--inputs", str(bad)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "is not benchmarks/goodput.py --json output" in proc.stderr and "fix:" in proc.stderr
