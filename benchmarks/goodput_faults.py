@@ -19,7 +19,9 @@ from pathlib import Path
 KINDS = {
     "kill": "SIGKILL of a worker",
     "stop": "SIGSTOP of a worker, SIGCONT after --stop-s (below every grace)",
+    "stop-long": "SIGSTOP of a worker, SIGCONT after --stop-long-s (past the op timeout, --op-timeout)",
     "during": "SIGKILL of a worker, and of another one --during-s later (a fault during the recovery)",
+    "node": "SIGKILL of the agent of a worker's node and of every process under it",
 }
 
 
@@ -88,8 +90,10 @@ def account(logs, injected: list[dict], steps: int, step_s: float, wall_s: float
     missing = sorted(set(range(steps)) - done)
     gaps = []
     for f in injected:
-        nexts = [min((t for _, t, _ in rows if t > f["t"]), default=None) for rows in logs.values()]
-        if any(n is None for n in nexts):
+        # a rank a shrink took out has no next step; the job's end leaves none to every rank
+        nexts = [n for n in (min((t for _, t, _ in rows if t > f["t"]), default=None) for rows in logs.values())
+                 if n is not None]
+        if not nexts:
             f["next_step_s"] = None          # the job ended before every rank stepped again
             continue
         f["next_step_s"] = round(max(nexts) - f["t"], 4)
@@ -112,23 +116,31 @@ def outcome(fault: dict, logs, until: float = float("inf")) -> str:
     """How a fault ended: which ranks are held by another process than at the fault
     (``fault["pids"]``), against the ranks it hit.  A rank's holder is the process of its last
     step before ``until`` (the next fault): a step already in flight at the kill may still
-    complete on a survivor that its system restarts right after."""
+    complete on a survivor that its system restarts right after.  A fault whose next fault came
+    before every rank stepped again is told as overlapped: the next one's account covers both."""
+    hit = set(fault.get("ranks") or [fault["rank"]]) | ({fault["other"]} if fault["other"] >= 0 else set())
+    gone = {r for r, rows in logs.items() if not any(t > fault["t"] for _, t, _ in rows)}
+    if gone and gone == hit and len(gone) < len(logs):
+        return "shrunk: its ranks left the world"
     holder = {}
     for r, rows in logs.items():
         after = [(t, pid) for _, t, pid in rows if t > fault["t"]]
+        if r in gone and r not in hit and len(gone) < len(logs):
+            continue                                    # a rank an earlier shrink took out
         if not after:
             return "after the job's end"
         settled = [pid for t, pid in after if t < until]
+        if not settled and until != float("inf"):
+            return "overlapped by the next fault"      # not every rank stepped again before it came
         holder[r] = settled[-1] if settled else after[0][1]
     changed = {r for r, pid in holder.items() if fault["pids"][r] != pid}
-    hit = {fault["rank"]} | ({fault["other"]} if fault["other"] >= 0 else set())
-    if len(changed) == len(logs):
+    if len(changed) == len(holder):
         return "every worker restarted"
-    if fault["kind"] == "stop":
+    if fault["kind"].startswith("stop"):
         return "rode through" if not changed else "replaced in place" if changed == hit else \
             f"unexplained: ranks {sorted(changed)} have new processes"
     if changed == hit:
-        return "replaced in place"
+        return "a spare node took its ranks" if fault["kind"] == "node" else "replaced in place"
     return f"unexplained: ranks {sorted(changed)} have new processes, {sorted(hit)} were hit"
 
 

@@ -20,6 +20,7 @@ saves the state every K steps, and a process started again (torchrun's restart) 
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import json
 import os
@@ -80,16 +81,19 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="folder for each process's record")
     ap.add_argument("--backend", default="hpct", help="hpct, or gloo for the stock reference run")
     ap.add_argument("--check-every", type=int, default=1, help="steps between membership_changed() checks")
+    ap.add_argument("--op-timeout", type=float, default=None,
+                    help="seconds a collective may wait for a peer (default: torch's 30 minutes)")
     ap.add_argument("--checkpoint", default=None, help="file to resume from and save to (the stock pattern)")
     ap.add_argument("--checkpoint-every", type=int, default=0, help="rank 0 saves the state every K steps")
     args = ap.parse_args()
     rank, t_start = int(os.environ["RANK"]), time.time()
     record = {"rank": rank, "pid": os.getpid(), "generation": int(os.environ.get("HPCT_GENERATION") or 0),
               "steps": [], "recoveries": [], "grows": []}
+    timeout = {} if args.op_timeout is None else {"timeout": datetime.timedelta(seconds=args.op_timeout)}
     if args.backend == "hpct":
-        hd.init_process_group()
+        hd.init_process_group(**timeout)
     else:
-        dist.init_process_group(args.backend)
+        dist.init_process_group(args.backend, **timeout)
     model, opt = build()
     # A replacement holds no state until it joins; everyone else starts equal (same seed).
     healthy, step, net = record["generation"] == 0, 0, None

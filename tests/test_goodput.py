@@ -75,6 +75,7 @@ def test_each_way_a_fault_can_end_is_told_apart():
     flight = _logs({0: [(1, 1.6, 10), (1, 4.0, 11), (2, 9.0, 11)], 1: [(1, 4.0, 21), (2, 9.0, 21)],
                     2: [(1, 1.6, 30), (1, 4.0, 31), (2, 9.0, 31)]})
     assert gf.outcome(base, flight, until=8.0) == "every worker restarted"
+    assert gf.outcome(base, flight, until=3.0) == "overlapped by the next fault"
     # a step that no rank logged is lost work, not a kill's unlogged last line
     cut = _logs({0: [(0, 1.0, 10), (2, 3.0, 10)], 1: [(0, 1.0, 20), (2, 3.0, 21)]})
     assert gf.account(cut, [], steps=3, step_s=1.0, wall_s=4.0)["steps_missing"] == [1]
@@ -84,10 +85,10 @@ def test_each_way_a_fault_can_end_is_told_apart():
 @pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 def test_a_short_soak_ends_clean_on_hpct_and_on_torchrun(tmp_path):
     # slow, not multihost: it sleeps through most of its minutes, beside the slow tier's builds.
-    # Seed 16: six faults in 54 s, two of them a kill during another kill's recovery.
+    # Seed 41 on 3x2: a short stop, a lost node, a kill during another kill's recovery, a kill.
     out = tmp_path / "goodput.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "goodput.py"), "--config", "2x2", "--minutes", "1",
-                           "--mtbf", "8", "--seed", "16", "--json", str(out)],
+    proc = subprocess.run([sys.executable, str(BENCH / "goodput.py"), "--config", "3x2", "--minutes", "1",
+                           "--mtbf", "8", "--seed", "41", "--kinds", "kill,stop,during,node", "--json", str(out)],
                           capture_output=True, text=True, timeout=1200, cwd=tmp_path)
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -95,18 +96,23 @@ def test_a_short_soak_ends_clean_on_hpct_and_on_torchrun(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["schema"] == 1 and doc["problems"] == []
     kinds = [f["kind"] for f in doc["schedule"]]
-    assert kinds == ["stop", "stop", "during", "kill", "stop", "during"], kinds
-    ends = {"hpct": {"kill": "replaced in place", "during": "replaced in place", "stop": "rode through"},
-            "stock": {"kill": "every worker restarted", "during": "every worker restarted", "stop": "rode through"}}
+    assert kinds == ["stop", "node", "during", "kill"], kinds
+    ends = {"hpct": {"kill": "replaced in place", "during": "replaced in place", "stop": "rode through",
+                     "node": "a spare node took its ranks"},
+            "stock": {"kill": "every worker restarted", "during": "every worker restarted", "stop": "rode through",
+                      "node": "every worker restarted"}}
     for system, want in ends.items():
         faults = doc["systems"][system]["faults"]
         assert [f["kind"] for f in faults] == kinds, (system, faults)
-        for f in faults:
-            assert f["outcome"] == want[f["kind"]], (system, f)
+        for f, nxt in zip(faults, faults[1:] + [None]):
+            # torchrun's restart can outlast the gap to the next fault (its account covers both)
+            ok = {want[f["kind"]]} | ({"overlapped by the next fault"} if system == "stock" and nxt else set())
+            assert f["outcome"] in ok, (system, f)
         acc = doc["systems"][system]["accounting"]
         assert acc["steps_missing"] == []
         assert len(doc["systems"][system]["digests"]) == 1
     assert doc["systems"]["hpct"]["accounting"]["steps_redone"] == 0
+    assert doc["systems"]["stock"]["job_restarts"] == 1           # the lost node: the scheduler's restart
     assert doc["systems"]["hpct"]["digests"] == doc["systems"]["stock"]["digests"]
 
 
