@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 
@@ -85,17 +84,10 @@ def plot(path: str, rates: dict, costs: dict, minutes: float) -> None:
             c = cost(system, costs[system], minutes)
             ax.plot(ns, [100 * goodput(n, rate, c) for n in ns], color + style,
                     label=f"{system} ({c:.1f} s per fault), {name}")
-    ax.set_xscale("log")
-    ax.set_xlabel("GPUs in the job")
-    ax.set_ylabel("goodput (%)")
     ax.set_ylim(0, 101)
-    ax.set_title("Goodput against job size: measured per-fault costs, published fault rates")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    tmp = f"{path}.tmp.png"
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    os.replace(tmp, path)
+    from model import save_plot
+    save_plot(fig, ax, path, "Goodput against job size: measured per-fault costs, published fault rates",
+              "GPUs in the job", "goodput (%)")
 
 
 def main(argv=None) -> int:

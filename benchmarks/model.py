@@ -170,11 +170,17 @@ def plot(path: str, runs: list[dict], c: dict, c_fit: dict) -> None:
         pts = [(r["n"], r[key]) for r in runs if r["stack"] == stack and r["where"] == "loopback" and r.get(key)]
         if pts:
             ax.plot(*zip(*pts), marker, label=f"measured {stack} {key.split('_')[0]} (loopback, {os.cpu_count()} CPUs)")
-    ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("ranks (N)")
-    ax.set_ylabel("seconds")
-    ax.set_title("Start-up and recovery: model (lines) and scale runs (markers)")
+    save_plot(fig, ax, path, "Start-up and recovery: model (lines) and scale runs (markers)", "ranks (N)", "seconds")
+
+
+def save_plot(fig, ax, path: str, title: str, xlabel: str, ylabel: str) -> None:
+    """A log-x plot's labels, grid and legend, written through a temporary name (goodput_model.py too)."""
+    import matplotlib.pyplot as plt
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     tmp = f"{path}.tmp.png"
