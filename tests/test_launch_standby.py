@@ -67,7 +67,9 @@ def test_a_standby_that_fails_to_warm_is_reported_with_its_log_and_tried_again_a
 
 
 def test_a_standby_killed_while_waiting_is_reported_and_replaced(tmp_path):
-    with Agents(tmp_path, args(tmp_path, standby=1, seconds=20)) as agents:
+    # The first worker outlives every wait below: under load the second standby took longer to
+    # warm than a 20 s job lasted (CI), and a finished job starts no more standbys.
+    with Agents(tmp_path, args(tmp_path, standby=1, seconds=LIMIT_S)) as agents:
         agents.start()
         [ready] = agents.wait_event(0, "standby", LIMIT_S)
         os.killpg(ready["pid"], signal.SIGKILL)
