@@ -12,8 +12,9 @@ node, or a node that came back after a shrink); every member then calls ``hd.gro
 newcomers take the state the same way.
 Each step's batch is a function of (rank, step), so a run with faults ends with exactly the
 parameters of a run without: ``--out DIR`` writes each process's record and the final digest,
-and appends every completed step to ``steps-<rank>.log`` as it goes (a killed process's steps
-stay counted).  ``--checkpoint FILE --checkpoint-every K`` is the stock way, for comparison: rank 0
+and appends every completed step to ``steps-<place>.log`` as it goes (a killed process's steps
+stay counted).  A process's place in the port plan names its files: it is its rank at the start,
+and it stays with a node's slot when a shrink renumbers the ranks.  ``--checkpoint FILE --checkpoint-every K`` is the stock way, for comparison: rank 0
 saves the state every K steps, and a process started again (torchrun's restart) resumes from it.
 """
 
@@ -87,7 +88,9 @@ def main() -> int:
     ap.add_argument("--checkpoint-every", type=int, default=0, help="rank 0 saves the state every K steps")
     args = ap.parse_args()
     rank, t_start = int(os.environ["RANK"]), time.time()
-    record = {"rank": rank, "pid": os.getpid(), "generation": int(os.environ.get("HPCT_GENERATION") or 0),
+    places = os.environ.get("HPCT_PLAN_PLACES")      # started into a shrunk world or a spare's slot
+    place = int(places.split(",")[rank]) if places else rank
+    record = {"rank": rank, "place": place, "pid": os.getpid(), "generation": int(os.environ.get("HPCT_GENERATION") or 0),
               "steps": [], "recoveries": [], "grows": []}
     timeout = {} if args.op_timeout is None else {"timeout": datetime.timedelta(seconds=args.op_timeout)}
     if args.backend == "hpct":
@@ -101,7 +104,7 @@ def main() -> int:
     if args.checkpoint and healthy:
         step = load_checkpoint(args.checkpoint, model, opt)
         record["resumed_at"] = step
-    log = open(Path(args.out) / f"steps-{rank}.log", "a", buffering=1) if args.out else None
+    log = open(Path(args.out) / f"steps-{place}.log", "a", buffering=1) if args.out else None
     while step < args.steps:
         try:
             if net is not None and args.backend == "hpct" and step % args.check_every == 0 \
@@ -134,11 +137,11 @@ def main() -> int:
                 and dist.get_rank() == 0:
             save_checkpoint(args.checkpoint, model, opt, step)
         if args.out:                # progress, for whoever watches the job (the tests, the benchmarks)
-            (Path(args.out) / f"progress-{rank}").write_text(str(step))
+            (Path(args.out) / f"progress-{place}").write_text(str(step))
             log.write(f"{step - 1} {record['steps'][-1][1]:.6f} {os.getpid()}\n")
         time.sleep(args.step_time)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-    record.update(digest=digest, start=t_start, end=time.time())
+    record.update(digest=digest, world_size=dist.get_world_size(), start=t_start, end=time.time())
     if args.out:
         path = Path(args.out) / f"rank{rank}-pid{os.getpid()}.json"
         path.with_suffix(".tmp").write_text(json.dumps(record))

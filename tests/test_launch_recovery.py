@@ -216,7 +216,8 @@ def test_a_worker_lost_after_a_shrink_is_replaced_at_its_plan_place(tmp_path):
     assert final[1]["pid"] != first[2] and final[1]["generation"] >= 2, final[1]
     assert final[0]["digest"] == final[1]["digest"]
     replaced = [e for e in agents.events(2, "start") if e["generation"] > 0]
-    assert len(replaced) == 1 and replaced[0]["rank"] == 1, agents.output(2)
+    assert len(replaced) == 1 and replaced[0]["rank"] == 1 and replaced[0]["place"] == 2, agents.output(2)
+    assert final[1]["place"] == 2          # examples/ddp.py names its step log and progress by place
 
 
 @pytest.mark.multihost
@@ -237,6 +238,7 @@ def test_a_spare_node_takes_a_lost_nodes_ranks_and_the_run_is_bit_identical(tmp_
     assert sorted(final) == [0, 1, 2], final
     assert [final[0]["pid"], final[2]["pid"]] == [first[0], first[2]], "a survivor restarted"
     assert final[1]["generation"] >= 1 and final[1]["pid"] == agents.worker_pid(3, 1)
+    assert final[1]["place"] == 3 and agents.events(3, "start")[-1]["place"] == 3
     assert {r["digest"] for r in final.values()} == {expect}
     for n in (0, 2, 3):
         assert agents.events(n, "view")[-1]["nodes"] == [0, 3, 2], agents.output(n)
@@ -265,3 +267,43 @@ def test_a_node_that_comes_back_joins_by_grow(tmp_path):
     assert all(final[r]["grows"] and final[r]["grows"][-1]["world_size"] == 3 for r in (0, 1)), final
     assert len({r["digest"] for r in final.values()}) == 1
     assert agents.events(2, "idle") and agents.events(2, "admitted"), agents.output(2)
+
+
+@pytest.mark.multiprocess
+def test_a_recovery_overtaken_by_a_newer_view_meets_the_others_there(tmp_path):
+    """The replacement is lost while the survivors connect the world that waits for it: the agent
+    moves the view on and starts another.  Before: the survivors' recover() kept connecting the
+    older world until its deadline (or a peer's newer generation refused it) and raised
+    RendezvousError, the worker exited 1 and the job ended (the goodput soak lost two nodes 2.7 s
+    apart this way).  Now the connect gives way to the newer view and everyone meets there."""
+    out = tmp_path / "out"
+    out.mkdir()
+    steps = 120
+    args = ["--nproc-per-node", "3", "--max-restarts", "0", "--port-base", str(free_port_block(2 * 8 * 3 + 2)),
+            str(Path(__file__).with_name("overtaken_worker.py")), str(out), str(steps), "1"]
+    with Agents(tmp_path, args, env={"HPCT_CONNECT_TIMEOUT": "60"}) as agents:
+        agents.start()
+        wait_progress(agents, out, 0, 5)
+        os.kill(agents.worker_pid(0, 2), signal.SIGKILL)
+        stalled = wait_files(agents, out, "stalled-*", 1)
+        wait_files(agents, out, "recovering-*", 2)
+        time.sleep(1.0)            # the survivors are connecting generation 1, waiting for rank 2
+        os.kill(int(stalled[0].name.split("-")[1]), signal.SIGKILL)
+        assert agents.wait(LIMIT_S) == [0], agents.output(0)
+    recs = {r["rank"]: r for r in records(out)}
+    assert sorted(recs) == [0, 1, 2]
+    first = {e["rank"]: e["pid"] for e in agents.events(0, "start") if e["generation"] == 0}
+    for rank in (0, 1):            # the very processes of generation 0, recovered once, into generation 2
+        assert recs[rank]["pid"] == first[rank] and recs[rank]["met"] == [2], recs[rank]
+    assert recs[2]["generation"] == 2
+    expect = float(3 * sum(range(1, steps + 1)))
+    assert {r["total"] for r in recs.values()} == {expect}
+
+
+def wait_files(agents: Agents, out: Path, pattern: str, count: int, timeout: float = 120) -> list[Path]:
+    end = time.monotonic() + timeout
+    while len(found := sorted(out.glob(pattern))) < count:
+        assert time.monotonic() < end, f"no {count} {pattern} within {timeout:g} s:\n{agents.output(0)[-3000:]}"
+        assert all(p.poll() is None for p in agents.procs), agents.output(0)[-3000:]
+        time.sleep(0.05)
+    return found

@@ -101,7 +101,7 @@ def grow(world_size: int | None = None, *, hosts: list[str] | None = None, plan_
                           fix="start the job with hd.init_process_group() before growing it")
     cfg = world._config()
     if (world_size, hosts, plan_ranks) == (None, None, None) and cfg.agent_port is not None:
-        rank, world_size, generation, places = world.agent_world(cfg, rank, world.generation())
+        rank, world_size, generation, places = world.agent_world(cfg, world.plan_rank(rank), world.generation())
         world.shutdown_all()      # a step boundary: every group is idle and closes gracefully
         return world.init_process_group(rank, world_size, timeout=timeout, config=cfg, generation=generation,
                                         plan_ranks=places)

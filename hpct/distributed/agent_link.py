@@ -3,7 +3,8 @@
 The agent is at this worker's own node's address in the host list.  ``new_world`` is what
 ``recover()`` asks after a failure: the generation to re-form in, the world size, this
 worker's rank and every rank's plan place (the agent replaced a lost worker, or dropped a lost
-node).  ``peek`` is the same question without waiting or moving anything: the world of the
+node).  ``ViewWatch`` asks again while that world connects: a fault during the recovery (the
+replacement or another node lost) moves the view on, and the connect must give way to it.  ``peek`` is the same question without waiting or moving anything: the world of the
 agent's newest generation (``membership_changed()`` asks it at step boundaries, to see a
 grow).  ``report_joined`` tells the agent that this worker's world formed, so a later non-zero
 exit counts against ``--max-restarts`` instead of ending the job as a worker that cannot start.
@@ -12,6 +13,7 @@ exit counts against ``--max-restarts`` instead of ending the job as a worker tha
 from __future__ import annotations
 
 import os
+import threading
 
 from ..config import Config
 from ..errors import RendezvousError
@@ -54,3 +56,46 @@ def report_joined(cfg: Config, place: int, generation: int) -> None:
                  2.0)
     except wire.WireError:
         pass            # no agent to tell (it is going away): nothing depends on the answer
+
+
+WATCH_S = 0.1          # how often a connecting recovery asks its agent whether the view moved on
+PEEK_TIMEOUT_S = 1.0   # the agent is on this node: an answer slower than this is no answer
+
+
+def moved_past(cfg: Config, place: int, generation: int) -> bool:
+    """Whether the agent's view is newer than ``generation`` or no longer holds ``place``
+    (False when the agent does not answer at once: the connect's own deadline still holds)."""
+    host, port = _address(cfg, place)
+    try:
+        reply = wire.ask(host, port, {"op": "peek", "place": place}, PEEK_TIMEOUT_S)
+    except wire.WireError:
+        return False
+    return "error" in reply or int(reply["generation"]) > generation
+
+
+class ViewWatch:
+    """While a recovery connects the world of ``generation``, calls ``abort`` once the agent's
+    view moves past it: the connect then fails at once instead of at its deadline, waiting for
+    ranks that the newer view stopped or lost, and the recovery asks for the newer world."""
+
+    def __init__(self, cfg: Config, place: int, generation: int, abort) -> None:
+        self.cfg, self.place, self.generation, self.abort = cfg, place, generation, abort
+        self.overtaken = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hpct-view-watch", daemon=True)
+
+    def __enter__(self) -> "ViewWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join(timeout=PEEK_TIMEOUT_S + WATCH_S)
+
+    def _run(self) -> None:
+        while not self._done.wait(WATCH_S):
+            if moved_past(self.cfg, self.place, self.generation):
+                self.overtaken = True
+                if not self._done.is_set():
+                    self.abort(f"the agent's view moved past generation {self.generation}")
+                return

@@ -420,9 +420,7 @@ def recover(world_size: int | None = None, rank: int | None = None, *, generatio
     abort_all("recovering")       # the fault path: peers see a reset and fail at once
     shutdown_all()
     if ask_agent and cfg.agent_port is not None:
-        # Started by `hpct run`: its agent knows who was lost and the generation to meet in.
-        formed = _state.formed if _state.formed is not None else _current_generation() - 1
-        rank, world_size, generation, plan_ranks = agent_world(cfg, rank, formed)
+        return _recover_from_agent(cfg, rank, timeout)
     if generation is None:
         # One target per recovery, kept by a failed attempt: ranks that start recovering
         # seconds apart meet in it.  A peer seen in a newer generation wins.
@@ -431,10 +429,42 @@ def recover(world_size: int | None = None, rank: int | None = None, *, generatio
                               plan_ranks=plan_ranks)
 
 
-def agent_world(cfg: Config, rank: int, formed: int) -> tuple[int, int, int, list[int] | None]:
+MAX_OVERTAKEN = 32      # newer views one recovery follows before it gives up (each is a new fault)
+
+
+def _recover_from_agent(cfg: Config, rank: int, timeout):
+    """recover() under `hpct run`: its agent knows who was lost and the generation to meet in.
+
+    A fault during the recovery (the replacement lost, another node dropped before its grace)
+    moves the agents' view on while this world connects; the ranks it waits for are then gone
+    or stopped.  The connect gives way as soon as the agent shows the newer view, and the
+    recovery meets the others there instead of failing at the connect deadline.
+    """
+    place = plan_rank(rank)
+    formed = _state.formed if _state.formed is not None else _current_generation() - 1
+    for _ in range(MAX_OVERTAKEN):
+        rank, world_size, generation, plan_ranks = agent_world(cfg, place, formed)
+        watch = agent_link.ViewWatch(cfg, place, generation, abort_all)
+        try:
+            with watch:
+                return init_process_group(rank, world_size, timeout=timeout, config=cfg,
+                                          generation=generation, plan_ranks=plan_ranks)
+        except Exception:
+            with _LOCK:
+                newer_peer = _state.newest_seen > generation     # its agent may not know yet
+            if not (watch.overtaken or newer_peer or agent_link.moved_past(cfg, place, generation)):
+                raise
+        shutdown_all()
+        formed = generation       # the agent answers with the first view newer than this one
+    raise RendezvousError(f"recover(): the view moved on {MAX_OVERTAKEN} times while this world connected",
+                          fix="faults come faster than a world forms: see the agents' event logs")
+
+
+def agent_world(cfg: Config, place: int, formed: int) -> tuple[int, int, int, list[int] | None]:
     """(rank, world size, generation, plan_ranks or None for rank r at place r) of the world that
-    ``hpct run``'s agent holds after the one formed in ``formed`` (recover() and grow() ask it)."""
-    world = agent_link.new_world(cfg, plan_rank(rank), formed)
+    ``hpct run``'s agent holds after the one formed in ``formed``, for the worker at plan place
+    ``place`` (recover() and grow() ask it)."""
+    world = agent_link.new_world(cfg, place, formed)
     plan = world["plan_ranks"] if world["plan_ranks"] != list(range(world["world_size"])) else None
     return world["rank"], world["world_size"], max(world["generation"], next_generation()), plan
 

@@ -96,7 +96,7 @@ class NodeAgent(Membership):
         w = self.pool.start(place, local_rank, rank, gen, env, warm_ok=gen > 0)
         self.workers[local_rank] = w
         self.events.emit("start", f"rank {rank} pid {w.proc.pid} generation {gen} ({w.why}), log {w.log}",
-                         rank=rank, pid=w.proc.pid, generation=gen, warm=w.warm, why=w.why, log=str(w.log))
+                         rank=rank, place=place, pid=w.proc.pid, generation=gen, warm=w.warm, why=w.why, log=str(w.log))
         if gen > 0:
             self.pool.fill()
 
