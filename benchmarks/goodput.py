@@ -14,7 +14,10 @@ in network namespaces (one per node, on a bridge), under two systems in the same
 Both get the same seeded schedule (benchmarks/goodput_faults.py, ``--kinds``): SIGKILL of a
 worker; SIGSTOP of a worker for ``--stop-s`` (below the op timeout) or ``--stop-long-s`` (past
 it); a SIGKILL and another one ``--during-s`` later, inside the first one's recovery; a node
-lost (its agent and every process under it SIGKILLed).  Reported for each system:
+lost (its agent and every process under it SIGKILLed); a lossy link (5 % loss and 20 ms delay
+on one node's link for ``--lossy-s``).  With ``lossy`` among the kinds the nodes are joined by
+the tests' userspace switch (tests/lossy.py, which can impair one link at a time) instead of a
+bridge, for both systems.  Reported for each system:
 
 * goodput: steps that count x the fault-free step time / wall time (launch to the job's end;
   the fault-free step time is measured by a short run of the same system first);
@@ -23,8 +26,6 @@ lost (its agent and every process under it SIGKILLed).  Reported for each system
 * how each fault ended, and whether the final parameters equal a fault-free run's bit for bit
   (a stock Gloo run without faults and without simulated compute, made first) where that is
   the documented behaviour: not after a shrink.
-
-Not yet injected (issue 42 asks for it): 5 % loss and 20 ms delay on one node's link for a minute.
 
     python benchmarks/goodput.py [--config 3x2] [--minutes 3] [--mtbf 20] [--seed 1] [--json FILE]
 """
@@ -43,7 +44,7 @@ import uuid
 from pathlib import Path
 
 import goodput_faults as gf
-from launch import EXAMPLE, REPO, TAG_VAR, _descendants, _environ, _kill_tagged, _torch_version, table
+from launch import EXAMPLE, REPO, TAG_VAR, _descendants, _environ, _kill_tagged, _torch_version
 
 SUBNET = "10.238.0"
 SYSTEMS = {"hpct": "hpct run --standby 1", "stock": "torchrun --max-restarts, checkpoint every K steps"}
@@ -107,13 +108,9 @@ class Job:
                 self.procs.append(self.ns[n].popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                                    cwd=str(self.tmp), start_new_session=True))
 
-    def node_of(self, rank: int) -> int:
-        """The node whose agent (or torchrun) runs ``rank``'s current worker."""
-        if self.system == "stock":
-            return rank // self.nproc
-        starts = [(e["time"], n) for n in range(self.nodes + self.spares) for e in self.agents.events(n, "start")
-                  if e["rank"] == rank]
-        return max(starts)[1]
+    def node_of(self, place: int) -> int:
+        """The node whose agent (or torchrun) runs the worker at ``place`` (hpct's spare: the last)."""
+        return place // self.nproc
 
     def lose_node(self, node: int) -> list[int]:
         """SIGKILL a node's agent and every process under it; stock's scheduler then starts the
@@ -136,14 +133,32 @@ class Job:
             self._torchruns()
         return victims
 
+    def target(self, rank: int, pids: dict[int, int]) -> int:
+        """The place a scheduled fault at ``rank`` hits: that place, unless its node was lost
+        (then one of the places that still work, drawn by ``rank``; hpct's spare holds some)."""
+        if self.node_of(rank) not in self.lost:
+            return rank
+        live = sorted(p for p, pid in pids.items() if self.node_of(p) not in self.lost and pid > 0 and _alive(pid))
+        return live[rank % len(live)] if live else rank
+
+    def members(self) -> list[int]:
+        """The places expected to be training now: the newest view's (hpct) or every rank
+        (stock), less the nodes this soak killed and the job has not replaced yet."""
+        nodes = range(self.nodes)
+        if self.system == "hpct":
+            views = [e for n in range(self.nodes + self.spares) for e in self.agents.events(n, "view")]
+            nodes = max(views, key=lambda e: e["generation"])["nodes"] if views else nodes
+        return [n * self.nproc + l for n in nodes if n not in self.lost for l in range(self.nproc)]
+
     def pids(self) -> dict[int, int]:
-        """Each rank's current worker (-1 where none is known now)."""
+        """Each place's current worker (-1 where none is known now); a place is a rank at the
+        start, and hpct's spare brings places of its own."""
         if self.system == "hpct":
             latest: dict[int, tuple[str, int]] = {}
             for n in range(self.nodes + self.spares):
                 for e in self.agents.events(n, "start"):
-                    latest[e["rank"]] = max(latest.get(e["rank"], (e["time"], e["pid"])), (e["time"], e["pid"]))
-            return {r: latest[r][1] if r in latest else -1 for r in range(self.world)}
+                    latest[e["place"]] = max(latest.get(e["place"], (e["time"], e["pid"])), (e["time"], e["pid"]))
+            return {r: latest[r][1] if r in latest else -1 for r in sorted(set(range(self.world)) | set(latest))}
         best: dict[int, tuple[int, int]] = {}
         for pid in _descendants([p.pid for p in self.procs]):
             e = _environ(pid)
@@ -198,14 +213,16 @@ def _first_step(job: Job, deadline: float) -> float:
     return time.time()
 
 
-def run(system: str, ns, args, steps: int, step_time: float, faults: list[gf.Fault]) -> dict:
-    """One job to its end, the faults applied on schedule; its step logs, records and faults."""
+def run(system: str, ns, args, steps: int, step_time: float, faults: list[gf.Fault], net=None) -> dict:
+    """One job to its end, the faults applied on schedule; its step logs, records and faults.
+    ``net``: the lossy network (tests/lossy.py) whose links the ``lossy`` faults impair."""
     tmp = Path(tempfile.mkdtemp(prefix=f"hpct-goodput-{system}-"))
     job = Job(system, tmp, ns, args, steps, step_time)
     injected: list[dict] = []
     started = time.time()
     deadline = time.monotonic() + args.timeout
     conts: list[tuple[float, int]] = []
+    impaired: dict[int, float] = {}        # node -> when its link heals
     try:
         job.start()
         zero = _first_step(job, deadline)
@@ -215,28 +232,44 @@ def run(system: str, ns, args, steps: int, step_time: float, faults: list[gf.Fau
             for when, pid in [c for c in conts if c[0] <= now]:
                 _signal(pid, signal.SIGCONT)
                 conts.remove((when, pid))
+            for node in [n for n, until in impaired.items() if until <= now]:
+                net.impair(node)
+                del impaired[node]
             if todo and now >= zero + todo[0].at_s:
                 f = todo[0]
                 pids = job.pids()
-                victim = pids[f.rank] if pids[f.rank] > 0 and _alive(pids[f.rank]) else -1
+                place = job.target(f.rank, pids)
+                victim = pids[place] if pids[place] > 0 and _alive(pids[place]) else -1
                 if victim < 0 and now < zero + f.at_s + MAX_DELAY_S:
                     time.sleep(0.01)        # the rank is between processes (a restart): hit the next one
                     continue
                 todo.pop(0)
+                f = gf.Fault(f.at_s, f.kind, place, job.target(f.other, pids) if f.other >= 0 else -1)
+                members = job.members()
                 if victim > 0 and f.kind == "node":
                     node = job.node_of(f.rank)
-                    ranks = [r for r in range(job.world) if job.node_of(r) == node]
+                    ranks = [r for r in pids if job.node_of(r) == node]
                     t = time.time()
                     job.lose_node(node)
-                    injected.append({**f.__dict__, "t": t, "pid": victim, "pids": pids, "node": node,
+                    injected.append({**f.__dict__, "t": t, "pid": victim, "pids": pids, "members": members, "node": node,
                                      "ranks": ranks, "delayed_s": round(t - zero - f.at_s, 3)})
                     print(f"  {system}: t+{t - zero:6.1f} s node {node} lost (ranks {ranks})", file=sys.stderr,
                           flush=True)
+                elif victim > 0 and f.kind == "lossy":
+                    node = job.node_of(f.rank)
+                    ranks = [r for r in pids if job.node_of(r) == node]
+                    t = time.time()
+                    net.impair(node, loss=gf.LOSSY_LOSS, delay_ms=gf.LOSSY_DELAY_MS)
+                    impaired[node] = t + args.lossy_s
+                    injected.append({**f.__dict__, "t": t, "pid": victim, "pids": pids, "members": members, "node": node,
+                                     "ranks": ranks, "delayed_s": round(t - zero - f.at_s, 3)})
+                    print(f"  {system}: t+{t - zero:6.1f} s node {node}'s link lossy for {args.lossy_s:g} s "
+                          f"(ranks {ranks})", file=sys.stderr, flush=True)
                 elif victim > 0:
                     sig = signal.SIGSTOP if f.kind.startswith("stop") else signal.SIGKILL
                     t = time.time()
                     if _signal(victim, sig):
-                        injected.append({**f.__dict__, "t": t, "pid": victim, "pids": pids,
+                        injected.append({**f.__dict__, "t": t, "pid": victim, "pids": pids, "members": members,
                                          "delayed_s": round(t - zero - f.at_s, 3)})
                         print(f"  {system}: t+{t - zero:6.1f} s {f.kind} rank {f.rank} (pid {victim})",
                               file=sys.stderr, flush=True)
@@ -244,7 +277,7 @@ def run(system: str, ns, args, steps: int, step_time: float, faults: list[gf.Fau
                             conts.append((t + (args.stop_s if f.kind == "stop" else args.stop_long_s), victim))
                         if f.kind == "during":
                             time.sleep(args.during_s)
-                            second = job.pids()[f.other]
+                            second = job.pids().get(f.other, -1)
                             if second > 0 and _signal(second, signal.SIGKILL):
                                 injected[-1]["other_pid"] = second
             if time.monotonic() > deadline:
@@ -258,15 +291,18 @@ def run(system: str, ns, args, steps: int, step_time: float, faults: list[gf.Fau
     finally:
         for _, pid in conts:
             _signal(pid, signal.SIGCONT)
+        for node in impaired:
+            net.impair(node)
         job.stop()
     logs = gf.step_log(job.out, job.world)
-    digests = sorted({json.loads(p.read_text())["digest"] for p in job.out.glob("rank*-pid*.json")})
+    records = [json.loads(p.read_text()) for p in job.out.glob("rank*-pid*.json")]
+    digests = sorted({r["digest"] for r in records})
     first = min((rows[0][1] for rows in logs.values() if rows), default=ended)
     last = max((rows[-1][1] for rows in logs.values() if rows), default=ended)
     return {"system": system, "folder": str(tmp), "error": error, "wall_s": ended - started,
             "startup_s": round(first - started, 2), "shutdown_s": round(ended - last, 2),
             "job_restarts": job.job_restarts,
-            "logs": logs, "digests": digests, "injected": injected, "tmp": tmp}
+            "logs": logs, "digests": digests, "final_world": min((r["world_size"] for r in records), default=None), "injected": injected, "tmp": tmp}
 
 
 def main(argv=None) -> int:
@@ -282,6 +318,7 @@ def main(argv=None) -> int:
     ap.add_argument("--stop-s", type=float, default=1.0, help="how long a SIGSTOPped worker stays stopped")
     ap.add_argument("--stop-long-s", type=float, default=15.0, help="a long SIGSTOP (past --op-timeout)")
     ap.add_argument("--op-timeout", type=float, default=10.0, help="examples/ddp.py's collective timeout")
+    ap.add_argument("--lossy-s", type=float, default=60.0, help="how long a lossy link stays lossy")
     ap.add_argument("--during-s", type=float, default=0.3, help="the second kill's delay in a 'during' fault")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per job (default: 3x --minutes + 120)")
     ap.add_argument("--keep", action="store_true", help="keep every job's folder (failed jobs' always)")
@@ -296,7 +333,14 @@ def main(argv=None) -> int:
         return 1
     print(f"goodput: seed {args.seed} (rerun with --seed {args.seed})", file=sys.stderr, flush=True)
     results = {}
-    with netns_network(args.nodes + 1, name_prefix="hpct-bgood", subnet=SUBNET) as ns:   # + hpct's spare
+    if "lossy" in args.kinds:
+        from lossy import lossy_network
+        network = lossy_network(args.nodes + 1, name_prefix="hpct-bgood", subnet=SUBNET,
+                                max_seconds=5 * args.timeout + 600)
+    else:
+        network = netns_network(args.nodes + 1, name_prefix="hpct-bgood", subnet=SUBNET)
+    with network as net:        # + 1 node: hpct's spare
+        ns = net.nodes if "lossy" in args.kinds else net
         for system in args.systems:
             results[f"{system}-calibration"] = run(system, ns, args, CALIBRATION_STEPS, args.step_time, [])
         step_s = {s: gf.fault_free_step_s(results[f"{s}-calibration"]["logs"])
@@ -311,7 +355,8 @@ def main(argv=None) -> int:
         results["reference"] = run("stock", ns, args, args.steps, 0.0, [])   # the digest without faults
         faults = gf.schedule(args.seed, args.mtbf, horizon * 0.9, args.nodes * args.nproc, args.kinds)
         for system in args.systems:
-            results[system] = run(system, ns, args, args.steps, args.step_time, faults)
+            results[system] = run(system, ns, args, args.steps, args.step_time, faults,
+                                  net if "lossy" in args.kinds else None)
     doc, text, ok = report(results, step_s, faults, args)
     print(text)
     for r in results.values():

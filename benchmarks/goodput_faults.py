@@ -4,9 +4,12 @@ A schedule is drawn from a seed: fault times at exponential gaps of mean ``--mtb
 (the whole job's mean time between faults), each with a kind and a target rank.  Both systems
 get the same schedule, measured from their first step.
 
-The accounting reads what examples/ddp.py writes with ``--out``: ``steps-<rank>.log``, one
+The accounting reads what examples/ddp.py writes with ``--out``: ``steps-<place>.log``, one
 line per completed step (step, time.time(), pid), appended by every process that ever held
-the rank (a killed one's steps stay), and the finishing processes' records with their digest.
+the place (a killed one's steps stay), and the finishing processes' records with their digest.
+A place is a slot of the port plan: rank r's at the start, and it stays with its node when a
+shrink renumbers the ranks; a spare node's workers log at the spare's own places.  A fault
+scheduled at a place whose node is gone hits one of the places still working instead.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ KINDS = {
     "stop-long": "SIGSTOP of a worker, SIGCONT after --stop-long-s (past the op timeout, --op-timeout)",
     "during": "SIGKILL of a worker, and of another one --during-s later (a fault during the recovery)",
     "node": "SIGKILL of the agent of a worker's node and of every process under it",
+    "lossy": "5 % loss and 20 ms delay on a worker's node's link for --lossy-s (the tests' userspace switch)",
 }
+LOSSY_LOSS, LOSSY_DELAY_MS = 0.05, 20.0     # issue 42's lossy link: a flaky cable or an overloaded switch port
 
 
 @dataclass(frozen=True)
@@ -48,9 +53,13 @@ def schedule(seed: int, mtbf_s: float, horizon_s: float, world: int, kinds: list
 
 
 def step_log(out: Path, world: int) -> dict[int, list[tuple[int, float, int]]]:
-    """Every completed step of every rank: (step, time, pid), in time order."""
+    """Every completed step at every place of the port plan: (step, time, pid), in time order.
+
+    A place is a rank at the start and a node's slot after: a spare's workers log at the spare's
+    places, and a shrink, which renumbers ranks, moves no log."""
     logs = {}
-    for rank in range(world):
+    places = set(range(world)) | {int(p.stem.split("-")[1]) for p in out.glob("steps-*.log")}
+    for rank in sorted(places):
         lines = (out / f"steps-{rank}.log").read_text().splitlines() if (out / f"steps-{rank}.log").exists() else []
         rows = []
         for line in lines:
@@ -91,8 +100,10 @@ def account(logs, injected: list[dict], steps: int, step_s: float, wall_s: float
     gaps = []
     for f in injected:
         # a rank a shrink took out has no next step; the job's end leaves none to every rank
-        nexts = [n for n in (min((t for _, t, _ in rows if t > f["t"]), default=None) for rows in logs.values())
-                 if n is not None]
+        # the places training at the fault: a spare's first step is not every rank's next
+        members = _members(f, logs)
+        nexts = [n for n in (min((t for _, t, _ in rows if t > f["t"]), default=None)
+                             for r, rows in logs.items() if r in members) if n is not None]
         if not nexts:
             f["next_step_s"] = None          # the job ended before every rank stepped again
             continue
@@ -119,14 +130,18 @@ def outcome(fault: dict, logs, until: float = float("inf")) -> str:
     complete on a survivor that its system restarts right after.  A fault whose next fault came
     before every rank stepped again is told as overlapped: the next one's account covers both."""
     hit = set(fault.get("ranks") or [fault["rank"]]) | ({fault["other"]} if fault["other"] >= 0 else set())
+    members = _members(fault, logs)
+    # a spare's places: outside the world at the fault, their first step came after it
+    fresh = {r for r, rows in logs.items() if rows and r not in members and rows[0][1] > fault["t"]}
+    logs = {r: rows for r, rows in logs.items() if r in members}
     gone = {r for r, rows in logs.items() if not any(t > fault["t"] for _, t, _ in rows)}
     if gone and gone == hit and len(gone) < len(logs):
-        return "shrunk: its ranks left the world"
+        return "a spare node took its ranks" if len(fresh) == len(hit) else "shrunk: its ranks left the world"
     holder = {}
     for r, rows in logs.items():
         after = [(t, pid) for _, t, pid in rows if t > fault["t"]]
         if r in gone and r not in hit and len(gone) < len(logs):
-            continue                                    # a rank an earlier shrink took out
+            continue                                    # a place another fault took out meanwhile
         if not after:
             return "after the job's end"
         settled = [pid for t, pid in after if t < until]
@@ -139,9 +154,21 @@ def outcome(fault: dict, logs, until: float = float("inf")) -> str:
     if fault["kind"].startswith("stop"):
         return "rode through" if not changed else "replaced in place" if changed == hit else \
             f"unexplained: ranks {sorted(changed)} have new processes"
+    if fault["kind"] == "lossy":        # nothing was lost: a slow node's link is ridden through
+        return "rode through" if not changed else "a spare node took its ranks" if changed == hit else \
+            f"unexplained: ranks {sorted(changed)} have new processes, {sorted(hit)} were on the lossy link"
     if changed == hit:
         return "a spare node took its ranks" if fault["kind"] == "node" else "replaced in place"
     return f"unexplained: ranks {sorted(changed)} have new processes, {sorted(hit)} were hit"
+
+
+def _members(fault: dict, logs) -> set[int]:
+    """The places training at the fault: as the soak saw them (the view, less the nodes it had
+    killed), else every place that had stepped before it."""
+    if "members" in fault:
+        return set(fault["members"])
+    return {r for r, rows in logs.items() if rows and rows[0][1] <= fault["t"]} or \
+        {r for r in fault["pids"] if r in logs}
 
 
 def as_dicts(faults: list[Fault]) -> list[dict]:

@@ -19,6 +19,11 @@ Details that keep it honest:
   small messages are one frame each.
 - ``drop_rst_from``: the IPv4 addresses whose TCP resets never arrive (every RST they
   send is dropped), to make "a listener whose reset never arrives" deterministic.
+- ``impair(i, loss, delay_ms)`` changes one host's link while traffic flows (the goodput
+  soak's lossy-link fault): every frame from or to that host's port gets that loss and
+  delay on top of the network's own; ``impair(i)`` heals it.  The forwarder reads the change
+  within 0.2 s.  The queue is ordered by due time, so a frame to a slow link never holds up
+  the others; one link's frames keep their order (one delay per link).
 - The forwarder ends itself after ``max_seconds`` and when its parent (the test)
   goes away; the context manager kills it and deletes every namespace in ``finally``.
   All traffic stays inside namespaces made here.
@@ -30,6 +35,7 @@ Use (tests/ is on pytest's pythonpath)::
     with lossy_network(4, loss=0.05, delay_ms=20) as net:
         net.nodes[0].address           # "10.232.0.1"
         net.stats()                    # {"forwarded": ..., "dropped": ..., ...}
+        net.impair(2, loss=0.05, delay_ms=20)     # host 2's link only, until net.impair(2)
 """
 
 from __future__ import annotations
@@ -59,6 +65,20 @@ class LossyNetwork:
     _proc: subprocess.Popen | None = None
     _stats_path: str = ""
     _log: list[str] = field(default_factory=list)
+    _control_path: str = ""
+    _impaired: dict = field(default_factory=dict)
+
+    def impair(self, node: int, loss: float = 0.0, delay_ms: float = 0.0) -> None:
+        """Loss and delay on host ``node``'s link alone (both directions); zeros heal it."""
+        _check(loss, delay_ms)
+        if loss or delay_ms:
+            self._impaired[str(node)] = [loss, delay_ms]
+        else:
+            self._impaired.pop(str(node), None)
+        tmp = self._control_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"ports": self._impaired}, f)
+        os.replace(tmp, self._control_path)
 
     def stats(self) -> dict:
         """Counters of the forwarder so far (it rewrites them about every 0.2 s)."""
@@ -84,18 +104,15 @@ def lossy_network(count: int, *, loss: float = 0.0, delay_ms: float = 0.0,
     between two hosts takes twice that).  ``drop_rst_from`` lists host indices whose
     TCP resets are all dropped.
     """
-    if not 0.0 <= loss < 1.0:
-        raise ValueError(f"loss={loss}: a probability in [0, 1)")
-    if not 0.0 <= delay_ms <= 10_000:
-        raise ValueError(f"delay_ms={delay_ms}: between 0 and 10000")
+    _check(loss, delay_ms)
     with hub_and_hosts(count, name_prefix, subnet) as (hub, nodes):
         proc = None
-        stats_path = f"/tmp/{hub}.stats.json"
+        stats_path, control_path = f"/tmp/{hub}.stats.json", f"/tmp/{hub}.control.json"
         try:
             ports = [f"h{i}" for i in range(len(nodes))]
             argv = ["ip", "netns", "exec", hub, sys.executable, FORWARDER,
                     "--ports", ",".join(ports), "--loss", repr(loss), "--delay-ms", repr(delay_ms),
-                    "--stats", stats_path, "--max-seconds", repr(max_seconds),
+                    "--stats", stats_path, "--control", control_path, "--max-seconds", repr(max_seconds),
                     "--parent", str(os.getpid())]
             if drop_rst_from:
                 argv += ["--drop-rst-from", ",".join(nodes[i].address for i in drop_rst_from)]
@@ -104,15 +121,23 @@ def lossy_network(count: int, *, loss: float = 0.0, delay_ms: float = 0.0,
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     stdin=subprocess.DEVNULL, text=True, cwd="/")
             _wait_ready(proc)
-            yield LossyNetwork(nodes, hub, loss, delay_ms, proc, stats_path)
+            yield LossyNetwork(nodes, hub, loss, delay_ms, proc, stats_path, _control_path=control_path)
         finally:
             # The forwarder goes before its namespaces (hub_and_hosts deletes them).
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.communicate(timeout=10)
-            with contextlib.suppress(OSError):
-                os.unlink(stats_path)
+            for path in (stats_path, control_path):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+
+
+def _check(loss: float, delay_ms: float) -> None:
+    if not 0.0 <= loss < 1.0:
+        raise ValueError(f"loss={loss}: a probability in [0, 1)")
+    if not 0.0 <= delay_ms <= 10_000:
+        raise ValueError(f"delay_ms={delay_ms}: between 0 and 10000")
 
 
 def _wait_ready(proc: subprocess.Popen) -> None:
@@ -153,9 +178,23 @@ def _is_rst_from(frame: bytes, sources: set[bytes]) -> bool:
     return len(ip) >= ihl + 14 and bool(ip[ihl + 13] & 0x04)
 
 
+def _read_control(path: str, seen: int) -> tuple[int, dict[int, tuple[float, float]] | None]:
+    """(mtime, {port: (loss, delay s)}) when ``path`` changed since ``seen``, else (seen, None)."""
+    try:
+        mtime = os.stat(path).st_mtime_ns
+        if mtime == seen:
+            return seen, None
+        with open(path) as f:
+            ports = json.load(f)["ports"]
+    except (OSError, ValueError, KeyError):
+        return seen, None
+    return mtime, {int(p): (float(v[0]), float(v[1]) / 1000.0) for p, v in ports.items()}
+
+
 def forward(ports: list[str], loss: float, delay_s: float, stats_path: str, max_seconds: float,
-            parent: int, drop_rst_from: list[str], seed: int | None) -> int:
-    import collections
+            parent: int, drop_rst_from: list[str], seed: int | None, control_path: str = "") -> int:
+    import heapq
+    import itertools
     import random
     import select
     import socket
@@ -172,7 +211,10 @@ def forward(ports: list[str], loss: float, delay_s: float, stats_path: str, max_
         socks.append(s)
     by_fd = {s.fileno(): i for i, s in enumerate(socks)}
     mac_port: dict[bytes, int] = {}
-    queue: collections.deque = collections.deque()     # (due, out port indices, bytes)
+    queue: list = []        # heap of (due, sequence, out port indices, bytes)
+    order = itertools.count()
+    impaired: dict[int, tuple[float, float]] = {}        # port -> (loss, delay s) of its link alone
+    control_seen = 0
     counts = {"forwarded": 0, "dropped": 0, "rst_dropped": 0, "flooded": 0, "send_errors": 0}
     poller = select.poll()
     for s in socks:
@@ -192,8 +234,11 @@ def forward(ports: list[str], loss: float, delay_s: float, stats_path: str, max_
                 json.dump(dict(counts, queued=len(queue)), f)
             os.replace(tmp, stats_path)
             next_stats = now + 0.2
+            if control_path:
+                control_seen, changed = _read_control(control_path, control_seen)
+                impaired = impaired if changed is None else changed
         while queue and queue[0][0] <= now:
-            _, outs, data = queue.popleft()
+            _, _, outs, data = heapq.heappop(queue)
             for o in outs:
                 try:
                     socks[o].send(data)
@@ -216,18 +261,23 @@ def forward(ports: list[str], loss: float, delay_s: float, stats_path: str, max_
                 if rst_sources and _is_rst_from(frame, rst_sources):
                     counts["rst_dropped"] += 1
                     continue
-                if loss and frame[12:14] == b"\x08\x00" and rng.random() < loss:
+                dst = mac_port.get(frame[0:6])
+                flood = dst is None or frame[0] & 1
+                if not flood and dst == port:
+                    continue
+                p_loss, delay = loss, delay_s
+                for link in () if flood or not impaired else (port, dst):
+                    if link in impaired:
+                        p_loss, delay = 1 - (1 - p_loss) * (1 - impaired[link][0]), delay + impaired[link][1]
+                if p_loss and frame[12:14] == b"\x08\x00" and rng.random() < p_loss:
                     counts["dropped"] += 1
                     continue
-                dst = mac_port.get(frame[0:6])
-                if dst is None or frame[0] & 1:
+                if flood:
                     outs = [i for i in range(len(socks)) if i != port]
                     counts["flooded"] += 1
-                elif dst == port:
-                    continue
                 else:
                     outs = [dst]
-                queue.append((time.monotonic() + delay_s, outs, data))
+                heapq.heappush(queue, (time.monotonic() + delay, next(order), outs, data))
 
 
 def _alive(pid: int) -> bool:
@@ -247,13 +297,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--loss", type=float, default=0.0)
     ap.add_argument("--delay-ms", type=float, default=0.0)
     ap.add_argument("--stats", required=True)
+    ap.add_argument("--control", default="", help="JSON file of per-port impairments, re-read when it changes")
     ap.add_argument("--max-seconds", type=float, default=900.0)
     ap.add_argument("--parent", type=int, default=0)
     ap.add_argument("--drop-rst-from", default="")
     ap.add_argument("--seed", type=int, default=None)
     a = ap.parse_args(argv)
     return forward(a.ports.split(","), a.loss, a.delay_ms / 1000.0, a.stats, a.max_seconds,
-                   a.parent, [x for x in a.drop_rst_from.split(",") if x], a.seed)
+                   a.parent, [x for x in a.drop_rst_from.split(",") if x], a.seed, a.control)
 
 
 if __name__ == "__main__":

@@ -254,3 +254,64 @@ def test_recovery_of_8_ranks_on_4_hosts_with_loss_and_delay_20_tries():
                       "failed": [r for r in tries if not r["ok"]]}))
     assert results[-1]["link"].get("dropped", 0) > 0, results[-1]      # loss did happen
     assert ok >= 19, [r for r in tries if not r["ok"]]
+
+
+# ---- one host's link impaired while traffic flows (the goodput soak's lossy-link fault) --
+
+_PROBE = r"""
+import socket, sys, time
+host, port, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rtts = []
+for _ in range(count):
+    t = time.monotonic()
+    with socket.create_connection((host, port), timeout=10) as s:
+        s.sendall(b"x")
+        s.recv(1)
+    rtts.append(time.monotonic() - t)
+print(sorted(rtts)[len(rtts) // 2])
+"""
+
+_ECHO = r"""
+import socket, sys
+srv = socket.create_server(("0.0.0.0", int(sys.argv[1])))
+srv.settimeout(60)
+while True:
+    conn, _ = srv.accept()
+    with conn:
+        conn.sendall(conn.recv(1))
+"""
+
+
+def test_impairing_one_hosts_link_slows_and_drops_its_frames_alone_until_healed():
+    """Host 1's link gets 20 % loss and 40 ms delay while hosts 0 and 2 talk on: connections
+    to host 1 take two delayed round trips and frames are dropped; host 2 is untouched; healed,
+    host 1 is fast again."""
+    _skip_without_namespaces()
+    port = free_block(1)
+    with lossy_network(3, seed=5) as net:
+        echoes = [net.nodes[i].popen([sys.executable, "-c", _ECHO, str(port)]) for i in (1, 2)]
+        try:
+            time.sleep(1.0)
+
+            def median_rtt(i: int, count: int = 9) -> float:
+                res = net.nodes[0].run([sys.executable, "-c", _PROBE, net.nodes[i].address, str(port),
+                                        str(count)], timeout=120)
+                assert res.returncode == 0, res.stderr
+                return float(res.stdout)
+
+            before = median_rtt(1)
+            net.impair(1, loss=0.2, delay_ms=40)
+            time.sleep(0.5)                   # the forwarder reads the change within 0.2 s
+            dropped = net.stats().get("dropped", 0)
+            slow, other = median_rtt(1), median_rtt(2)
+            dropped = net.stats().get("dropped", 0) - dropped
+            net.impair(1)
+            time.sleep(0.5)
+            healed = median_rtt(1)
+        finally:
+            for p in echoes:
+                p.kill()
+                p.wait(timeout=10)
+    assert slow >= 0.16, (before, slow)           # connect and echo: two round trips of 2 x 40 ms
+    assert other < 0.05 and before < 0.05 and healed < 0.05, (before, other, healed)
+    assert dropped > 0

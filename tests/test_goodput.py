@@ -68,6 +68,18 @@ def test_each_way_a_fault_can_end_is_told_apart():
     assert gf.outcome({**base, "kind": "during", "other": 2}, one) == \
         "unexplained: ranks [1] have new processes, [1, 2] were hit"
     assert gf.outcome({**base, "t": 5.0}, one) == "after the job's end"
+    lossy = {**base, "kind": "lossy", "ranks": [1, 2]}      # node 1's link: its ranks 1 and 2
+    assert gf.outcome(lossy, same) == "rode through"
+    assert gf.outcome(lossy, moved) == "every worker restarted"
+    spare = _logs({0: [(1, 2.0, 10)], 1: [(1, 2.0, 21)], 2: [(1, 2.0, 31)]})
+    assert gf.outcome(lossy, spare) == "a spare node took its ranks"
+    assert gf.outcome(lossy, one) == "unexplained: ranks [1] have new processes, [1, 2] were on the lossy link"
+    # a lost node's places stop and a spare's places (no process at the fault) start stepping
+    node = {**base, "kind": "node", "ranks": [1, 2], "pids": {0: 10, 1: 20, 2: 30}}
+    taken = _logs({0: [(0, 1.0, 10), (1, 2.0, 10)], 1: [(0, 1.0, 20)], 2: [(0, 1.0, 30)],
+                   3: [(1, 2.0, 40)], 4: [(1, 2.0, 41)]})
+    assert gf.outcome(node, taken) == "a spare node took its ranks"
+    assert gf.outcome(node, {r: rows for r, rows in taken.items() if r < 3}) == "shrunk: its ranks left the world"
     # the second victim of a "during" fault may finish a step in flight before its own kill
     late = _logs({0: [(1, 1.6, 10), (2, 3.0, 11)], 1: [(2, 3.0, 21)], 2: [(1, 1.6, 30), (2, 3.0, 30)]})
     assert gf.outcome({**base, "kind": "during", "other": 0}, late) == "replaced in place"
