@@ -94,8 +94,9 @@ class ViewWatch:
 
     def _run(self) -> None:
         while not self._done.wait(WATCH_S):
-            if moved_past(self.cfg, self.place, self.generation):
+            # Once overtaken, abort on every tick: a connect that had not registered yet when
+            # the first abort came is caught by the next one, not by its deadline.
+            if self.overtaken or moved_past(self.cfg, self.place, self.generation):
                 self.overtaken = True
                 if not self._done.is_set():
                     self.abort(f"the agent's view moved past generation {self.generation}")
-                return
