@@ -246,25 +246,20 @@ def run(system: str, ns, args, steps: int, step_time: float, faults: list[gf.Fau
                 todo.pop(0)
                 f = gf.Fault(f.at_s, f.kind, place, job.target(f.other, pids) if f.other >= 0 else -1)
                 members = job.members()
-                if victim > 0 and f.kind == "node":
+                if victim > 0 and f.kind in ("node", "lossy"):
                     node = job.node_of(f.rank)
                     ranks = [r for r in pids if job.node_of(r) == node]
                     t = time.time()
-                    job.lose_node(node)
-                    injected.append({**f.__dict__, "t": t, "pid": victim, "pids": pids, "members": members, "node": node,
-                                     "ranks": ranks, "delayed_s": round(t - zero - f.at_s, 3)})
-                    print(f"  {system}: t+{t - zero:6.1f} s node {node} lost (ranks {ranks})", file=sys.stderr,
-                          flush=True)
-                elif victim > 0 and f.kind == "lossy":
-                    node = job.node_of(f.rank)
-                    ranks = [r for r in pids if job.node_of(r) == node]
-                    t = time.time()
-                    net.impair(node, loss=gf.LOSSY_LOSS, delay_ms=gf.LOSSY_DELAY_MS)
-                    impaired[node] = t + args.lossy_s
-                    injected.append({**f.__dict__, "t": t, "pid": victim, "pids": pids, "members": members, "node": node,
-                                     "ranks": ranks, "delayed_s": round(t - zero - f.at_s, 3)})
-                    print(f"  {system}: t+{t - zero:6.1f} s node {node}'s link lossy for {args.lossy_s:g} s "
-                          f"(ranks {ranks})", file=sys.stderr, flush=True)
+                    if f.kind == "node":
+                        job.lose_node(node)
+                        what = f"node {node} lost"
+                    else:
+                        net.impair(node, loss=gf.LOSSY_LOSS, delay_ms=gf.LOSSY_DELAY_MS)
+                        impaired[node] = t + args.lossy_s
+                        what = f"node {node}'s link lossy for {args.lossy_s:g} s"
+                    injected.append({**f.__dict__, "t": t, "pid": victim, "pids": pids, "members": members,
+                                     "node": node, "ranks": ranks, "delayed_s": round(t - zero - f.at_s, 3)})
+                    print(f"  {system}: t+{t - zero:6.1f} s {what} (ranks {ranks})", file=sys.stderr, flush=True)
                 elif victim > 0:
                     sig = signal.SIGSTOP if f.kind.startswith("stop") else signal.SIGKILL
                     t = time.time()
@@ -302,7 +297,8 @@ def run(system: str, ns, args, steps: int, step_time: float, faults: list[gf.Fau
     return {"system": system, "folder": str(tmp), "error": error, "wall_s": ended - started,
             "startup_s": round(first - started, 2), "shutdown_s": round(ended - last, 2),
             "job_restarts": job.job_restarts,
-            "logs": logs, "digests": digests, "final_world": min((r["world_size"] for r in records), default=None), "injected": injected, "tmp": tmp}
+            "logs": logs, "digests": digests, "injected": injected, "tmp": tmp,
+            "final_world": min((r["world_size"] for r in records), default=None)}
 
 
 def main(argv=None) -> int:
@@ -333,14 +329,15 @@ def main(argv=None) -> int:
         return 1
     print(f"goodput: seed {args.seed} (rerun with --seed {args.seed})", file=sys.stderr, flush=True)
     results = {}
-    if "lossy" in args.kinds:
+    lossy = "lossy" in args.kinds
+    if lossy:
         from lossy import lossy_network
         network = lossy_network(args.nodes + 1, name_prefix="hpct-bgood", subnet=SUBNET,
                                 max_seconds=5 * args.timeout + 600)
     else:
         network = netns_network(args.nodes + 1, name_prefix="hpct-bgood", subnet=SUBNET)
     with network as net:        # + 1 node: hpct's spare
-        ns = net.nodes if "lossy" in args.kinds else net
+        ns = net.nodes if lossy else net
         for system in args.systems:
             results[f"{system}-calibration"] = run(system, ns, args, CALIBRATION_STEPS, args.step_time, [])
         step_s = {s: gf.fault_free_step_s(results[f"{s}-calibration"]["logs"])
@@ -355,8 +352,7 @@ def main(argv=None) -> int:
         results["reference"] = run("stock", ns, args, args.steps, 0.0, [])   # the digest without faults
         faults = gf.schedule(args.seed, args.mtbf, horizon * 0.9, args.nodes * args.nproc, args.kinds)
         for system in args.systems:
-            results[system] = run(system, ns, args, args.steps, args.step_time, faults,
-                                  net if "lossy" in args.kinds else None)
+            results[system] = run(system, ns, args, args.steps, args.step_time, faults, net if lossy else None)
     doc, text, ok = report(results, step_s, faults, args)
     print(text)
     for r in results.values():

@@ -4,8 +4,9 @@ The agent is at this worker's own node's address in the host list.  ``new_world`
 ``recover()`` asks after a failure: the generation to re-form in, the world size, this
 worker's rank and every rank's plan place (the agent replaced a lost worker, or dropped a lost
 node).  ``ViewWatch`` asks again while that world connects: a fault during the recovery (the
-replacement or another node lost) moves the view on, and the connect must give way to it.  ``peek`` is the same question without waiting or moving anything: the world of the
-agent's newest generation (``membership_changed()`` asks it at step boundaries, to see a
+replacement or another node lost) moves the view on, and the connect must give way to it.
+``peek`` is the same question without waiting or moving anything: the world of the agent's
+newest generation (``membership_changed()`` asks it at step boundaries, to see a
 grow).  ``report_joined`` tells the agent that this worker's world formed, so a later non-zero
 exit counts against ``--max-restarts`` instead of ending the job as a worker that cannot start.
 """
