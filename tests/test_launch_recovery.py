@@ -300,6 +300,48 @@ def test_a_recovery_overtaken_by_a_newer_view_meets_the_others_there(tmp_path):
     assert {r["total"] for r in recs.values()} == {expect}
 
 
+@pytest.mark.parametrize("replacement", ["connects", "stalls"])
+def test_a_replacement_overtaken_before_it_joined_follows_or_restarts_in_the_newer_view(tmp_path, replacement):
+    """Rank 2 is lost; while its replacement connects generation 1 (or stalls before connecting),
+    the survivor it waits for (rank 1) is lost too and the view moves to generation 2.  Before:
+    the agent stopped the unjoined replacement and counted that as one more lost worker, moving
+    the view again, which made the next replacement stale in turn (the goodput soak's generations
+    climbed to 39 this way, and a first connect refused by a newer peer ended the job).  Now a
+    replacement that connects follows the view itself (the same process joins generation 2), and
+    one that stalls is stopped and started again in generation 2, a `stale` event, not a fault."""
+    out = tmp_path / "out"
+    out.mkdir()
+    steps = 120
+    stall = "1" if replacement == "stalls" else "99"
+    args = ["--nproc-per-node", "3", "--max-restarts", "0", "--port-base", str(free_port_block(2 * 8 * 3 + 2)),
+            str(Path(__file__).with_name("overtaken_worker.py")), str(out), str(steps), stall, "1"]
+    with Agents(tmp_path, args, env={"HPCT_CONNECT_TIMEOUT": "60"}) as agents:
+        agents.start()
+        wait_progress(agents, out, 0, 5)
+        os.kill(agents.worker_pid(0, 2), signal.SIGKILL)
+        holding = wait_files(agents, out, "holding-*", 1)
+        late = wait_files(agents, out, "stalled-*" if replacement == "stalls" else "connecting-1-*", 1)
+        time.sleep(1.0)            # rank 0 and the replacement connect generation 1, waiting for rank 1
+        os.kill(int(holding[0].name.split("-")[1]), signal.SIGKILL)
+        assert agents.wait(LIMIT_S) == [0], agents.output(0)
+    recs = {r["rank"]: r for r in records(out)}
+    assert sorted(recs) == [0, 1, 2]
+    starts = agents.events(0, "start")
+    assert max(e["generation"] for e in starts) == 2, starts       # one generation per lost worker
+    first = next(e["pid"] for e in starts if e["generation"] == 0 and e["rank"] == 0)
+    assert recs[0]["pid"] == first and recs[0]["met"] == [2], recs[0]
+    assert recs[1]["generation"] == 2 and recs[2]["formed"] == 2, recs
+    late_pid = int(late[0].name.rsplit("-", 1)[1])
+    if replacement == "connects":
+        assert recs[2]["pid"] == late_pid and recs[2]["generation"] == 1, recs[2]
+        assert agents.events(0, "stale") == []
+    else:
+        assert [(e["pid"], e["generation"]) for e in agents.events(0, "stale")] == [(late_pid, 1)]
+        assert recs[2]["generation"] == 2
+    expect = float(3 * sum(range(1, steps + 1)))
+    assert {r["total"] for r in recs.values()} == {expect}
+
+
 def wait_files(agents: Agents, out: Path, pattern: str, count: int, timeout: float = 120) -> list[Path]:
     end = time.monotonic() + timeout
     while len(found := sorted(out.glob(pattern))) < count:

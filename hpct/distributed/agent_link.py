@@ -3,8 +3,9 @@
 The agent is at this worker's own node's address in the host list.  ``new_world`` is what
 ``recover()`` asks after a failure: the generation to re-form in, the world size, this
 worker's rank and every rank's plan place (the agent replaced a lost worker, or dropped a lost
-node).  ``ViewWatch`` asks again while that world connects: a fault during the recovery (the
-replacement or another node lost) moves the view on, and the connect must give way to it.
+node).  ``ViewWatch`` asks again while a world connects, a worker's first or a recovery's: a
+fault before it forms (the replacement or another node lost) moves the view on, and the connect
+must give way to it.
 ``peek`` is the same question without waiting or moving anything: the world of the agent's
 newest generation (``membership_changed()`` asks it at step boundaries, to see a
 grow).  ``report_joined`` tells the agent that this worker's world formed, so a later non-zero
@@ -33,18 +34,25 @@ def new_world(cfg: Config, place: int, formed: int) -> dict:
 
 def peek(cfg: Config, place: int) -> dict:
     """{generation, world_size, rank, plan_ranks} of the agent's newest view, at once."""
-    return _ask(cfg, place, {"op": "peek", "place": place}, "membership_changed()")
+    return _ask(cfg, place, _peek(place), "membership_changed()")
 
 
-def _ask(cfg: Config, place: int, request: dict, who: str) -> dict:
+def _peek(place: int) -> dict:
+    # The pid tells the agent that this worker watches its view: a connect it overtakes then
+    # follows, and the agent need not stop it (agent.py's _view_moved).
+    return {"op": "peek", "place": place, "pid": os.getpid()}
+
+
+def _ask(cfg: Config, place: int, request: dict, who: str, timeout: float | None = None,
+         refusal_ok: bool = False) -> dict:
     host, port = _address(cfg, place)
     try:
-        reply = wire.ask(host, port, request, cfg.connect_timeout)
+        reply = wire.ask(host, port, request, cfg.connect_timeout if timeout is None else timeout)
     except wire.WireError as err:
         raise RendezvousError(f"{who}: this node's hpct run agent did not answer: {err}",
                               fix="check that the agent is alive (its event log); HPCT_AGENT_PORT must be "
                                   "the port it listens on") from None
-    if "error" in reply:
+    if "error" in reply and not refusal_ok:
         raise RendezvousError(f"{who}: the agent at {host}:{port} refused: {reply['error']}",
                               fix="this worker is not in the job's new world: exit, the agent decides")
     return reply
@@ -59,25 +67,25 @@ def report_joined(cfg: Config, place: int, generation: int) -> None:
         pass            # no agent to tell (it is going away): nothing depends on the answer
 
 
-WATCH_S = 0.1          # how often a connecting recovery asks its agent whether the view moved on
+WATCH_S = 0.1          # how often a connecting worker asks its agent whether the view moved on
 PEEK_TIMEOUT_S = 1.0   # the agent is on this node: an answer slower than this is no answer
 
 
 def moved_past(cfg: Config, place: int, generation: int) -> bool:
     """Whether the agent's view is newer than ``generation`` or no longer holds ``place``
     (False when the agent does not answer at once: the connect's own deadline still holds)."""
-    host, port = _address(cfg, place)
     try:
-        reply = wire.ask(host, port, {"op": "peek", "place": place}, PEEK_TIMEOUT_S)
-    except wire.WireError:
+        reply = _ask(cfg, place, _peek(place), "the view watch", PEEK_TIMEOUT_S, refusal_ok=True)
+    except RendezvousError:
         return False
     return "error" in reply or int(reply["generation"]) > generation
 
 
 class ViewWatch:
-    """While a recovery connects the world of ``generation``, calls ``abort`` once the agent's
-    view moves past it: the connect then fails at once instead of at its deadline, waiting for
-    ranks that the newer view stopped or lost, and the recovery asks for the newer world."""
+    """While a worker connects the world of ``generation`` (its first or a recovery's), calls
+    ``abort`` once the agent's view moves past it: the connect then fails at once instead of at
+    its deadline, waiting for ranks that the newer view stopped or lost, and the worker asks for
+    the newer world."""
 
     def __init__(self, cfg: Config, place: int, generation: int, abort) -> None:
         self.cfg, self.place, self.generation, self.abort = cfg, place, generation, abort

@@ -308,6 +308,7 @@ def init_process_group(rank: int | None = None, world_size: int | None = None, *
     place in the port plan (default: r itself; a shrunk world passes its survivors').
     """
     cfg = config or Config.from_mapping()
+    follow = cfg.agent_port is not None and (rank, world_size, generation, plan_ranks) == (None,) * 4
     rank = cfg.rank if rank is None else rank
     world_size = cfg.world_size if world_size is None else world_size
     if rank is None or world_size is None:
@@ -320,6 +321,11 @@ def init_process_group(rank: int | None = None, world_size: int | None = None, *
                           f"{world_size}",
                           fix="pass one plan place per global rank (a shrunk world keeps its survivors'), "
                               "or plan_ranks=None to place rank r at r")
+    if follow:
+        # Started by `hpct run`: a fault before this world forms moves the agents' view on, and
+        # this connect follows it (as recover() does) instead of waiting for ranks it stopped.
+        place = plan_ranks[rank] if plan_ranks is not None else rank
+        return _follow_agent(cfg, place, timeout, (rank, world_size, cfg.generation, plan_ranks))
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
     with _LOCK:
@@ -420,7 +426,8 @@ def recover(world_size: int | None = None, rank: int | None = None, *, generatio
     abort_all("recovering")       # the fault path: peers see a reset and fail at once
     shutdown_all()
     if ask_agent and cfg.agent_port is not None:
-        return _recover_from_agent(cfg, rank, timeout)
+        formed = _state.formed if _state.formed is not None else _current_generation() - 1
+        return _follow_agent(cfg, plan_rank(rank), timeout, formed=formed)
     if generation is None:
         # One target per recovery, kept by a failed attempt: ranks that start recovering
         # seconds apart meet in it.  A peer seen in a newer generation wins.
@@ -429,21 +436,23 @@ def recover(world_size: int | None = None, rank: int | None = None, *, generatio
                               plan_ranks=plan_ranks)
 
 
-MAX_OVERTAKEN = 32      # newer views one recovery follows before it gives up (each is a new fault)
+MAX_OVERTAKEN = 32      # newer views one connect follows before it gives up (each is a new fault)
 
 
-def _recover_from_agent(cfg: Config, rank: int, timeout):
-    """recover() under `hpct run`: its agent knows who was lost and the generation to meet in.
+def _follow_agent(cfg: Config, place: int, timeout, world: tuple | None = None, formed: int = -1):
+    """Connect the world ``hpct run``'s agent holds for ``place``: ``world`` (rank, world size,
+    generation, plan_ranks) for a first connect, else the agent's first view newer than
+    ``formed`` (recover(): its agent knows who was lost and the generation to meet in).
 
-    A fault during the recovery (the replacement lost, another node dropped before its grace)
-    moves the agents' view on while this world connects; the ranks it waits for are then gone
-    or stopped.  The connect gives way as soon as the agent shows the newer view, and the
-    recovery meets the others there instead of failing at the connect deadline.
+    A fault before the world forms (the replacement lost, another node dropped before its grace)
+    moves the agents' view on while this world connects; the ranks it waits for are then gone or
+    stopped.  The connect gives way as soon as the agent shows the newer view, and meets the
+    others there instead of failing at the connect deadline.
     """
-    place = plan_rank(rank)
-    formed = _state.formed if _state.formed is not None else _current_generation() - 1
     for _ in range(MAX_OVERTAKEN):
-        rank, world_size, generation, plan_ranks = agent_world(cfg, place, formed)
+        if world is None:
+            world = agent_world(cfg, place, formed)
+        rank, world_size, generation, plan_ranks = world
         watch = agent_link.ViewWatch(cfg, place, generation, abort_all)
         try:
             with watch:
@@ -455,8 +464,8 @@ def _recover_from_agent(cfg: Config, rank: int, timeout):
             if not (watch.overtaken or newer_peer or agent_link.moved_past(cfg, place, generation)):
                 raise
         shutdown_all()
-        formed = generation       # the agent answers with the first view newer than this one
-    raise RendezvousError(f"recover(): the view moved on {MAX_OVERTAKEN} times while this world connected",
+        formed, world = generation, None       # the agent answers with the first view newer than this
+    raise RendezvousError(f"the view moved on {MAX_OVERTAKEN} times while this world connected",
                           fix="faults come faster than a world forms: see the agents' event logs")
 
 

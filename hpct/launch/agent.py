@@ -30,6 +30,7 @@ from .options import STOP_GRACE_S, RunOptions
 from .workers import Pool, Worker, stop, tail
 
 POLL_S = 0.02                 # worker exits are noticed within this
+FOLLOWS_S = 1.0               # a worker that asked about the view this recently follows a newer one itself
 
 
 class NodeAgent(Membership):
@@ -145,8 +146,10 @@ class NodeAgent(Membership):
     def _view_moved(self, generation: int) -> None:
         if self.active and self.node not in self.nodes:
             self.left_view = True        # even if taken back at once: its workers' world is gone
+        now = time.monotonic()
         for w in self.workers.values():      # a replacement that has not joined yet would be stale
-            if 0 < w.generation < generation and not w.joined and w.proc.poll() is None:
+            if (0 < w.generation < generation and not w.joined and w.proc.poll() is None
+                    and now - w.watched > FOLLOWS_S):
                 stop([w.proc], 0.0)
 
     def _idle_wait(self) -> None:
@@ -228,6 +231,11 @@ class NodeAgent(Membership):
                     self.events.emit("exit", f"rank {w.rank} pid {w.proc.pid} finished", rank=w.rank, code=0)
                     del self.workers[local]
                     continue
+                with self.cond:
+                    stale = not w.joined and w.generation < self.generation
+                if stale:
+                    self._restart_stale(local, w, code)
+                    continue
                 lost.append((local, w, code))
             if lost:
                 self._replace(lost)
@@ -256,6 +264,17 @@ class NodeAgent(Membership):
             self._move(self.generation + 1, self.nodes, f"{len(lost)} worker(s) lost on node {self.node}")
         for local, w, code in lost:
             self._start(local, self.restarts.get(local, 0))
+
+    def _restart_stale(self, local: int, w: Worker, code: int) -> None:
+        """A worker that ended before it joined, started for a view that has moved on since (this
+        agent stopped it, or a newer peer refused its connect): not a fault of its own, and the
+        newer view already holds its place, so it starts again in that view.  Moving the view for
+        it would make the other nodes' unjoined replacements stale in turn, and so on."""
+        how = f"killed by signal {-code}" if code < 0 else f"exited with {code}"
+        self.events.emit("stale", f"rank {w.rank} pid {w.proc.pid} of generation {w.generation} {how} before it "
+                         f"joined; the view is at generation {self.generation}: it starts again there",
+                         rank=w.rank, pid=w.proc.pid, code=code, generation=w.generation)
+        self._start(local, self.restarts.get(local, 0))
 
     def _finish(self, end: JobEnd) -> int:
         if self.end is None or self.end is end:

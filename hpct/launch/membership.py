@@ -59,11 +59,20 @@ class Membership(View):
                         w.joined = True
             return {"ok": True}
         if op == "world":
+            self._watching(req.get("pid"))
             return self._answer_world(int(req.get("place", -1)), int(req.get("formed", -1)))
         if op == "peek":
             with self.cond:
+                self._watching(req.get("pid"))
                 return self._world_of(int(req.get("place", -1)))
         return {"error": f"unknown request {op!r}"}
+
+    def _watching(self, pid) -> None:
+        """A worker that asks about the view follows a newer one itself: note when it last asked."""
+        with self.cond:
+            for w in self.workers.values():
+                if pid is not None and w.proc.pid == pid:
+                    w.watched = time.monotonic()
 
     def _hello(self, req: dict) -> dict:
         o, mine, node = self.opts, self._identity(), req.get("node")

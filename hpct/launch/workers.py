@@ -28,6 +28,7 @@ class Worker:
     why: str = ""                # how it started: from a warm standby, or cold and why
     started: float = field(default_factory=time.monotonic)
     joined: bool = False         # its world group formed (it told the agent)
+    watched: float = 0.0         # when it last asked the agent's view while connecting (monotonic)
 
 
 # A standby imports the interpreter's own packages, as the agent did: ``-m`` would put the working
