@@ -76,6 +76,8 @@ class Job:
         self.spares = int("node" in args.kinds) if system == "hpct" else 0
         self.lost: set[int] = set()          # nodes whose agent was killed (their exit code is -9)
         self.job_restarts = 0                # stock: the scheduler's restarts of the whole job
+        self.returns: dict[int, float] = {}  # lost node -> when the scheduler has it back (--node-return-s)
+        self.owed = 0                        # stock: node losses since its last whole-job start
 
     def start(self) -> None:
         env = {"OMP_NUM_THREADS": "1", TAG_VAR: self.tag}
@@ -113,8 +115,9 @@ class Job:
         return place // self.nproc
 
     def lose_node(self, node: int) -> list[int]:
-        """SIGKILL a node's agent and every process under it; stock's scheduler then starts the
-        whole job again (a static torchrun job cannot take a node back), from its checkpoint."""
+        """SIGKILL a node's agent and every process under it.  Stock's scheduler starts the
+        whole job again from its checkpoint (a static torchrun job cannot take a node back) once
+        the node is back; hpct goes on without it, and gets it back after --node-return-s."""
         agent = self.procs[node].pid
         victims = [agent, *_descendants([agent])]
         for pid in victims:
@@ -128,10 +131,27 @@ class Job:
                     pass
                 p.wait(timeout=30)
             _kill_tagged(self.tag)
-            self.job_restarts += 1
-            self.lost.clear()
-            self._torchruns()
+            self.owed += 1
+        if self.args.node_return_s > 0 or self.system == "stock":
+            self.returns[node] = time.time() + self.args.node_return_s
+        self.tick()
         return victims
+
+    def tick(self) -> None:
+        """Bring back the lost nodes that are due (``--node-return-s``: the scheduler's new node).
+        hpct's agent starts again in the node's namespace: it rejoins as a replacement within the
+        grace, or idle, to be grown back to or kept as a spare.  Stock's static job waits for its
+        nodes, then the scheduler starts the whole job again from its checkpoint."""
+        now = time.time()
+        for node in [n for n, when in self.returns.items() if when <= now]:
+            del self.returns[node]
+            self.lost.discard(node)
+            if self.system == "hpct":
+                self.agents.restart(node)
+        if self.system == "stock" and self.owed and not self.lost:
+            self.owed = 0
+            self.job_restarts += 1
+            self._torchruns()
 
     def target(self, rank: int, pids: dict[int, int]) -> int:
         """The place a scheduled fault at ``rank`` hits: that place, unless its node was lost
@@ -168,7 +188,7 @@ class Job:
         return {r: best[r][1] if r in best else -1 for r in range(self.world)}
 
     def running(self) -> bool:
-        return any(p.poll() is None for p in self.procs)
+        return bool(self.returns) or any(p.poll() is None for p in self.procs)
 
     def codes(self) -> list[int | None]:
         return [p.poll() for n, p in enumerate(self.procs) if n not in self.lost]
@@ -228,6 +248,7 @@ def run(system: str, ns, args, steps: int, step_time: float, faults: list[gf.Fau
         zero = _first_step(job, deadline)
         todo = list(faults)
         while job.running():
+            job.tick()
             now = time.time()
             for when, pid in [c for c in conts if c[0] <= now]:
                 _signal(pid, signal.SIGCONT)
@@ -314,6 +335,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stop-s", type=float, default=1.0, help="how long a SIGSTOPped worker stays stopped")
     ap.add_argument("--stop-long-s", type=float, default=15.0, help="a long SIGSTOP (past --op-timeout)")
     ap.add_argument("--op-timeout", type=float, default=10.0, help="examples/ddp.py's collective timeout")
+    ap.add_argument("--node-return-s", type=float, default=0.0,
+                    help="seconds until the scheduler has a lost node back: hpct's agent starts again there, "
+                         "stock's job restarts when all its nodes are back (0: stock at once, hpct never)")
     ap.add_argument("--lossy-s", type=float, default=60.0, help="how long a lossy link stays lossy")
     ap.add_argument("--during-s", type=float, default=0.3, help="the second kill's delay in a 'during' fault")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per job (default: 3x --minutes + 120)")

@@ -101,7 +101,7 @@ def account(logs, injected: list[dict], steps: int, step_s: float, wall_s: float
     for f in injected:
         # a rank a shrink took out has no next step; the job's end leaves none to every rank
         # the places training at the fault: a spare's first step is not every rank's next
-        members = _members(f, logs)
+        members = _members(f, logs) - _lost_with_node(f)
         nexts = [n for n in (min((t for _, t, _ in rows if t > f["t"]), default=None)
                              for r, rows in logs.items() if r in members) if n is not None]
         if not nexts:
@@ -131,10 +131,18 @@ def outcome(fault: dict, logs, until: float = float("inf")) -> str:
     before every rank stepped again is told as overlapped: the next one's account covers both."""
     hit = set(fault.get("ranks") or [fault["rank"]]) | ({fault["other"]} if fault["other"] >= 0 else set())
     members = _members(fault, logs)
-    # a spare's places: outside the world at the fault, their first step came after it
-    fresh = {r for r, rows in logs.items() if rows and r not in members and rows[0][1] > fault["t"]}
+    lost = _lost_with_node(fault)
+    nexts = {r: min((s for s, t, _ in rows if t > fault["t"]), default=None) for r, rows in logs.items()}
+    resumed = min((s for r, s in nexts.items() if s is not None and r in members - lost), default=None)
+    # a spare's places (or a returned node's): outside the world at the fault, stepping from the
+    # step the survivors re-formed at (after the one in flight at the fault; a later grow's is later)
+    fresh = {r for r, s in nexts.items() if r not in members and s is not None and resumed is not None
+             and s <= resumed + 1}
     logs = {r: rows for r, rows in logs.items() if r in members}
     gone = {r for r, rows in logs.items() if not any(t > fault["t"] for _, t, _ in rows)}
+    if any(t > fault["t"] + IN_FLIGHT_S and pid == fault["pids"][r] for r, rows in logs.items() if r not in lost
+           for _, t, pid in rows):
+        gone |= lost           # the survivors went on in their processes: the lost node's places left them
     if gone and gone == hit and len(gone) < len(logs):
         return "a spare node took its ranks" if len(fresh) == len(hit) else "shrunk: its ranks left the world"
     holder = {}
@@ -160,6 +168,15 @@ def outcome(fault: dict, logs, until: float = float("inf")) -> str:
     if changed == hit:
         return "a spare node took its ranks" if fault["kind"] == "node" else "replaced in place"
     return f"unexplained: ranks {sorted(changed)} have new processes, {sorted(hit)} were hit"
+
+
+IN_FLIGHT_S = 1.0      # a step in flight at a kill logs within this (a step is 0.1-0.3 s)
+
+
+def _lost_with_node(fault: dict) -> set[int]:
+    """A lost node's places: gone with it, even where a step in flight at the kill still logged,
+    or the node came back later and logs there again (--node-return-s)."""
+    return set(fault.get("ranks") or []) if fault["kind"] == "node" else set()
 
 
 def _members(fault: dict, logs) -> set[int]:

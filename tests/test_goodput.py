@@ -80,6 +80,18 @@ def test_each_way_a_fault_can_end_is_told_apart():
                    3: [(1, 2.0, 40)], 4: [(1, 2.0, 41)]})
     assert gf.outcome(node, taken) == "a spare node took its ranks"
     assert gf.outcome(node, {r: rows for r, rows in taken.items() if r < 3}) == "shrunk: its ranks left the world"
+    # a lost node's step in flight at the kill, and its places stepping again when the node
+    # came back (--node-return-s) and took another slot later, do not make it a survivor
+    back = _logs({0: [(0, 1.0, 10), (1, 2.0, 10), (5, 9.0, 10)], 1: [(0, 1.0, 20), (1, 1.55, 20), (5, 9.0, 50)],
+                  2: [(0, 1.0, 30), (5, 9.0, 51)], 3: [(1, 2.0, 40), (5, 9.0, 40)], 4: [(1, 2.0, 41), (5, 9.0, 41)]})
+    assert gf.outcome(node, back, until=8.0) == "a spare node took its ranks"
+    # stock's scheduler restarts every worker once the node is back: not a shrink
+    restart = _logs({0: [(0, 1.0, 10), (1, 1.55, 10), (1, 9.0, 60)], 1: [(0, 1.0, 20), (1, 9.0, 61)],
+                     2: [(0, 1.0, 30), (1, 9.0, 62)]})
+    assert gf.outcome(node, restart) == "every worker restarted"
+    returned = {**node, "members": [0, 1, 2]}
+    gf.account(back, [returned], steps=6, step_s=1.0, wall_s=10.0)
+    assert returned["next_step_s"] == 0.5           # the survivor's and the spare's next step, not 9.0
     # the second victim of a "during" fault may finish a step in flight before its own kill
     late = _logs({0: [(1, 1.6, 10), (2, 3.0, 11)], 1: [(2, 3.0, 21)], 2: [(1, 1.6, 30), (2, 3.0, 30)]})
     assert gf.outcome({**base, "kind": "during", "other": 0}, late) == "replaced in place"
@@ -91,6 +103,19 @@ def test_each_way_a_fault_can_end_is_told_apart():
     # a step that no rank logged is lost work, not a kill's unlogged last line
     cut = _logs({0: [(0, 1.0, 10), (2, 3.0, 10)], 1: [(0, 1.0, 20), (2, 3.0, 21)]})
     assert gf.account(cut, [], steps=3, step_s=1.0, wall_s=4.0)["steps_missing"] == [1]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("argv, message", [
+    (["--node-return-s", "-1"], "--node-return-s must be 0 or above"),
+    (["--lossy-s", "0"], "--lossy-s must be above 0"),
+    (["--kinds", "kill,flood"], "--kinds: unknown flood (known: kill, stop, stop-long, during, node, lossy)"),
+])
+def test_bad_soak_arguments_say_what_is_wrong_before_anything_starts(argv, message, capsys):
+    import goodput
+    with pytest.raises(SystemExit) as exc:
+        goodput.main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.slow

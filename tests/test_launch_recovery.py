@@ -300,6 +300,7 @@ def test_a_recovery_overtaken_by_a_newer_view_meets_the_others_there(tmp_path):
     assert {r["total"] for r in recs.values()} == {expect}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("replacement", ["connects", "stalls"])
 def test_a_replacement_overtaken_before_it_joined_follows_or_restarts_in_the_newer_view(tmp_path, replacement):
     """Rank 2 is lost; while its replacement connects generation 1 (or stalls before connecting),
