@@ -55,11 +55,13 @@ else
   # (build/test-profile-*.jsonl, CPU / wall per test) measured 0.1-0.6 for the rest of the
   # multiprocess tier (PyTorch's suites on hpct, the lossy links) and 0.1-1.2 for the rest of
   # slow (Gloo's own suite sleeps; the image, wheel and source builds use one core each), against
-  # 1.2-1.9 for the serial tests, which also time themselves.  Each worker takes its ports from a
-  # range of its own (tests/conftest.py) and pytest gives it its own scratch folder; loadfile keeps
-  # a module's shared world in one worker.  unit and nccl_sim stay one at a time: their tests
-  # write the checkout's patched trees and time in-process deadlines, for a minute's gain at most.
-  declare -A TIER_WORKERS=([multiprocess]=3 [slow]=2)
+  # 1.2-1.9 for the serial tests, which also time themselves.  slow has 3: its files' CPU / wall
+  # is about 0.5 (1708 / 2562 s in a run), and one of them, the image, is a third of its wall time.
+  # Each worker takes its ports from a range of its own (tests/conftest.py) and pytest gives it
+  # its own scratch folder; loadfile keeps a module's shared world in one worker.  unit and
+  # nccl_sim stay one at a time: their tests write the checkout's patched trees and time
+  # in-process deadlines, for a minute's gain at most.
+  declare -A TIER_WORKERS=([multiprocess]=3 [slow]=3)
   earlier=""
   for marker in "${TIER_MARKERS[@]}"; do
     tier "pytest $marker"
