@@ -154,11 +154,13 @@ class Job:
             self._torchruns()
 
     def target(self, rank: int, pids: dict[int, int]) -> int:
-        """The place a scheduled fault at ``rank`` hits: that place, unless its node was lost
-        (then one of the places that still work, drawn by ``rank``; hpct's spare holds some)."""
-        if self.node_of(rank) not in self.lost:
+        """The place a scheduled fault at ``rank`` hits: that place, unless no member node holds
+        it now (its node was lost, or came back idle), then one of the places that still work,
+        drawn by ``rank`` (hpct's spare, or a returned node, holds some)."""
+        members = self.members()
+        if rank in members:
             return rank
-        live = sorted(p for p, pid in pids.items() if self.node_of(p) not in self.lost and pid > 0 and _alive(pid))
+        live = [p for p in members if pids.get(p, -1) > 0 and _alive(pids[p])]
         return live[rank % len(live)] if live else rank
 
     def members(self) -> list[int]:
@@ -260,7 +262,7 @@ def run(system: str, ns, args, steps: int, step_time: float, faults: list[gf.Fau
                 f = todo[0]
                 pids = job.pids()
                 place = job.target(f.rank, pids)
-                victim = pids[place] if pids[place] > 0 and _alive(pids[place]) else -1
+                victim = pids.get(place, -1) if pids.get(place, -1) > 0 and _alive(pids[place]) else -1
                 if victim < 0 and now < zero + f.at_s + MAX_DELAY_S:
                     time.sleep(0.01)        # the rank is between processes (a restart): hit the next one
                     continue

@@ -325,7 +325,9 @@ def init_process_group(rank: int | None = None, world_size: int | None = None, *
         # Started by `hpct run`: a fault before this world forms moves the agents' view on, and
         # this connect follows it (as recover() does) instead of waiting for ranks it stopped.
         place = plan_ranks[rank] if plan_ranks is not None else rank
-        return _follow_agent(cfg, place, timeout, (rank, world_size, cfg.generation, plan_ranks))
+        with _LOCK:
+            gen = cfg.generation if _state.generation is None else _state.generation
+        return _follow_agent(cfg, place, timeout, (rank, world_size, gen, plan_ranks))
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
     with _LOCK:
