@@ -264,7 +264,7 @@ host, port, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 rtts = []
 for _ in range(count):
     t = time.monotonic()
-    with socket.create_connection((host, port), timeout=10) as s:
+    with socket.create_connection((host, port), timeout=60) as s:
         s.sendall(b"x")
         s.recv(1)
     rtts.append(time.monotonic() - t)
@@ -283,9 +283,11 @@ while True:
 
 
 def test_impairing_one_hosts_link_slows_and_drops_its_frames_alone_until_healed():
-    """Host 1's link gets 20 % loss and 40 ms delay while hosts 0 and 2 talk on: connections
+    """Host 1's link gets 10 % loss and 40 ms delay while hosts 0 and 2 talk on: connections
     to host 1 take two delayed round trips and frames are dropped; host 2 is untouched; healed,
-    host 1 is fast again."""
+    host 1 is fast again.  (At 20 % a handshake attempt fails 36 % of the time; four in a row
+    outlast SYN's 1-3-7 s retries, and a 10 s probe timed out in a CI run: 10 % and 60 s make
+    that about 1 in 2,000 runs.)"""
     _skip_without_namespaces()
     port = free_block(1)
     with lossy_network(3, seed=5) as net:
@@ -300,7 +302,7 @@ def test_impairing_one_hosts_link_slows_and_drops_its_frames_alone_until_healed(
                 return float(res.stdout)
 
             before = median_rtt(1)
-            net.impair(1, loss=0.2, delay_ms=40)
+            net.impair(1, loss=0.1, delay_ms=40)
             time.sleep(0.5)                   # the forwarder reads the change within 0.2 s
             dropped = net.stats().get("dropped", 0)
             slow, other = median_rtt(1), median_rtt(2)
