@@ -153,11 +153,10 @@ class Job:
             self.job_restarts += 1
             self._torchruns()
 
-    def target(self, rank: int, pids: dict[int, int]) -> int:
+    def target(self, rank: int, pids: dict[int, int], members: list[int]) -> int:
         """The place a scheduled fault at ``rank`` hits: that place, unless no member node holds
         it now (its node was lost, or came back idle), then one of the places that still work,
         drawn by ``rank`` (hpct's spare, or a returned node, holds some)."""
-        members = self.members()
         if rank in members:
             return rank
         live = [p for p in members if pids.get(p, -1) > 0 and _alive(pids[p])]
@@ -260,15 +259,16 @@ def run(system: str, ns, args, steps: int, step_time: float, faults: list[gf.Fau
                 del impaired[node]
             if todo and now >= zero + todo[0].at_s:
                 f = todo[0]
-                pids = job.pids()
-                place = job.target(f.rank, pids)
-                victim = pids.get(place, -1) if pids.get(place, -1) > 0 and _alive(pids[place]) else -1
+                pids, members = job.pids(), job.members()
+                place = job.target(f.rank, pids, members)
+                victim = pids.get(place, -1)
+                if victim > 0 and not _alive(victim):
+                    victim = -1
                 if victim < 0 and now < zero + f.at_s + MAX_DELAY_S:
                     time.sleep(0.01)        # the rank is between processes (a restart): hit the next one
                     continue
                 todo.pop(0)
-                f = gf.Fault(f.at_s, f.kind, place, job.target(f.other, pids) if f.other >= 0 else -1)
-                members = job.members()
+                f = gf.Fault(f.at_s, f.kind, place, job.target(f.other, pids, members) if f.other >= 0 else -1)
                 if victim > 0 and f.kind in ("node", "lossy"):
                     node = job.node_of(f.rank)
                     ranks = [r for r in pids if job.node_of(r) == node]

@@ -248,7 +248,7 @@ class NodeAgent(Membership):
 
     def _replace(self, lost: list) -> None:
         for local, w, code in lost:
-            how = f"killed by signal {-code}" if code < 0 else f"exited with {code}"
+            how = _how(code)
             self.events.emit("worker-lost", f"rank {w.rank} pid {w.proc.pid} {how}", rank=w.rank,
                              pid=w.proc.pid, code=code, generation=w.generation, joined=w.joined)
             if code > 0:
@@ -270,7 +270,7 @@ class NodeAgent(Membership):
         agent stopped it, or a newer peer refused its connect): not a fault of its own, and the
         newer view already holds its place, so it starts again in that view.  Moving the view for
         it would make the other nodes' unjoined replacements stale in turn, and so on."""
-        how = f"killed by signal {-code}" if code < 0 else f"exited with {code}"
+        how = _how(code)
         self.events.emit("stale", f"rank {w.rank} pid {w.proc.pid} of generation {w.generation} {how} before it "
                          f"joined; the view is at generation {self.generation}: it starts again there",
                          rank=w.rank, pid=w.proc.pid, code=code, generation=w.generation)
@@ -289,6 +289,11 @@ class NodeAgent(Membership):
         if end.error and end.code == LaunchError.exit_code:
             raise LaunchError(end.message, fix=end.fix or "see the agents' event logs (--json) on every node")
         return end.code
+
+
+def _how(code: int) -> str:
+    """How a worker process ended, from its non-zero return code."""
+    return f"killed by signal {-code}" if code < 0 else f"exited with {code}"
 
 
 def _resolve(host: str) -> str:
