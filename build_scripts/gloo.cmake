@@ -18,3 +18,6 @@ set(BUILD_BENCHMARK OFF CACHE BOOL "")
 # Gloo asks for cmake_minimum_required(VERSION 3.4); CMake 4 (e.g. PyPI's cmake)
 # refuses anything below 3.5 unless told the project is fine with 3.5 policies.
 set(CMAKE_POLICY_VERSION_MINIMUM 3.5 CACHE STRING "")
+# ccache when installed (build_scripts/compiler_cache.cmake; hpct-build passes HPCT_CCACHE_BASEDIR,
+# the work tree, so the build folder's generated headers hash alike in every clone).
+include("${CMAKE_CURRENT_LIST_DIR}/compiler_cache.cmake")

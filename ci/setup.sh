@@ -9,7 +9,7 @@ SUDO=""
 [ "$(id -u)" = 0 ] || SUDO="sudo"
 
 # Usage: bash ci/setup.sh [--tests]   (--tests: also what only the test suite needs)
-APT_PACKAGES=(cmake ninja-build g++ patch git libgtest-dev libssl-dev iproute2 procps binutils)
+APT_PACKAGES=(cmake ninja-build g++ ccache patch git libgtest-dev libssl-dev iproute2 procps binutils)
 PIP_TEST_PACKAGES=()
 if [ "${1:-}" = --tests ]; then
   # buildah and debootstrap build and run the image without a Docker daemon (tests/test_image.py);

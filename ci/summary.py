@@ -7,8 +7,9 @@ Reads what the run left in BUILD_DIR: the suite's profile ``test-profile-*.jsonl
 wall and CPU time, tests/conftest.py), ``ci-tiers.tsv`` (a line ``<tier>\\t<seconds>`` per tier,
 written by ci/test.sh), the JUnit reports ``junit-*.xml`` (pytest's, one per pytest run), and the
 logs that say whether a cache was used: ``nccl-prebuild.log`` (hpct-build's "taken from the build
-cache" / "stored in the build cache" per NCCL version) and ``torch-tier-prepare.log`` (the torch
-tier's environment: "cache hit" / "cache miss").  Anything missing is reported as such.
+cache" / "stored in the build cache" per NCCL version), ``torch-tier-prepare.log`` (the torch
+tier's environment: "cache hit" / "cache miss") and ``ccache-before.tsv`` / ``ccache-after.tsv``
+(ccache's counters when the run started and ended).  Anything missing is reported as such.
 """
 
 from __future__ import annotations
@@ -79,7 +80,28 @@ def caches(build: Path) -> list[tuple[str, str]]:
     text = log.read_text(errors="replace") if log.is_file() else ""
     state = "hit" if "cache hit" in text else "miss (made)" if "cache miss" in text else "no record"
     out.append(("torch tier environment", state))
+    out.append(("compiler cache (ccache)", _ccache(build)))
     return out
+
+
+def _ccache_counts(path: Path) -> dict[str, int]:
+    """``ccache --print-stats`` as ci/test.sh saved it: ``<counter>\t<value>`` lines."""
+    out = {}
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
+        key, _, value = line.partition("\t")
+        if value.strip().isdigit():
+            out[key] = int(value)
+    return out
+
+
+def _ccache(build: Path) -> str:
+    """This run's compiles through ccache: the counters at its end minus those at its start."""
+    before, after = _ccache_counts(build / "ccache-before.tsv"), _ccache_counts(build / "ccache-after.tsv")
+    if not after:
+        return "no record (ccache not installed?)"
+    hits = sum(after.get(k, 0) - before.get(k, 0) for k in ("direct_cache_hit", "preprocessed_cache_hit"))
+    misses = after.get("cache_miss", 0) - before.get("cache_miss", 0)
+    return f"{hits} of {hits + misses} compiles hit" if hits + misses else "no compile went through it"
 
 
 def main(argv: list[str]) -> int:

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 hpct_pick_python
 tier_start=$SECONDS
 mkdir -p build
-rm -f build/ci-tiers.tsv build/junit-*.xml build/test-profile-*.jsonl   # this run's only (ci/summary.py)
+rm -f build/ci-tiers.tsv build/junit-*.xml build/test-profile-*.jsonl build/ccache-*.tsv   # this run's only (ci/summary.py)
 tier() {  # tier NAME: print how long the previous tier took, then start NAME
   local now=$SECONDS
   if [ -n "${tier_name:-}" ]; then
@@ -30,6 +30,8 @@ if [ $# -eq 0 ]; then   # the torch tier's environment downloads meanwhile (its 
   timeout 40m bash ci/torch_tier.sh --prepare >build/torch-tier-prepare.log 2>&1 &
   prepare_pid=$!
 fi
+ccache_stats() { ! command -v ccache >/dev/null || ccache --print-stats >"build/ccache-$1.tsv" 2>/dev/null || true; }
+ccache_stats before           # ci/summary.py reports this run's compiler-cache hits
 tier build
 "$PYTHON" -m hpct.builder all
 "$PYTHON" -m hpct.builder build gloo --tests
@@ -45,33 +47,40 @@ rc=0
 if [ $# -gt 0 ]; then
   timeout --signal=INT --kill-after=60 80m "$PYTHON" -P -m pytest --durations=15 --junitxml=build/junit-suite.xml "$@" || rc=$?
 else
-  # The suite's tiers, one pytest run each, in this order; a test that carries several tier
-  # markers runs in the first of them (tests/test_suite_layout.py: this list is the registered
-  # markers but gpu, and every test carries one).  serial before the tiers that share the
-  # machine: it takes the tests that time themselves or fill both cores.  slow last: the NCCL
-  # prebuild gets the most time.
+  # The suite's tiers, in this order; a test that carries several tier markers runs in the first
+  # of them (tests/test_suite_layout.py: this list is the registered markers but gpu, and every
+  # test carries one).  serial before the tiers that share the machine: it takes the tests that
+  # time themselves or fill both cores.
   TIER_MARKERS=(unit nccl_sim serial multiprocess multihost slow)
-  # pytest-xdist workers per tier, where what serial leaves keeps a core idle: the profile
-  # (build/test-profile-*.jsonl, CPU / wall per test) measured 0.1-0.6 for the rest of the
-  # multiprocess tier (PyTorch's suites on hpct, the lossy links) and 0.1-1.2 for the rest of
-  # slow (Gloo's own suite sleeps; the image, wheel and source builds use one core each), against
-  # 1.2-1.9 for the serial tests, which also time themselves.  slow has 3: its files' CPU / wall
-  # is about 0.5 (1708 / 2562 s in a run), and one of them, the image, is a third of its wall time.
-  # Each worker takes its ports from a range of its own (tests/conftest.py) and pytest gives it
-  # its own scratch folder; loadfile keeps a module's shared world in one worker.  unit and
-  # nccl_sim stay one at a time: their tests write the checkout's patched trees and time
-  # in-process deadlines, for a minute's gain at most.
-  declare -A TIER_WORKERS=([multiprocess]=3 [slow]=3)
+  # One pytest run per entry.  The tiers of waiting tests share the last run, on pytest-xdist
+  # workers: the profile (build/test-profile-*.jsonl, CPU / wall per test) measured 0.1-0.6 for
+  # multiprocess (PyTorch's suites on hpct, the lossy links), about 0 for multihost (Slurm waits)
+  # and 0.1-1.2 for slow (Gloo's own suite sleeps; the image, wheel and source builds use one
+  # core each), against 1.2-1.9 for the serial tests.  Run one after the other, each of them
+  # ended on a few long files while the other workers idled; together the short files of one
+  # fill the gaps of another.  Each worker takes its ports from a range of its own
+  # (tests/conftest.py) and pytest gives it its own scratch folder; loadfile keeps a module's
+  # shared world in one worker.  unit and nccl_sim stay one at a time: their tests write the
+  # checkout's patched trees and time in-process deadlines, for a minute's gain at most.
+  TIER_RUNS=(unit nccl_sim serial "multiprocess multihost slow")
+  declare -A TIER_WORKERS=([multiprocess multihost slow]=4)
+  # The shared run's longest files start first, one per worker (collection order, not xdist's
+  # most-tests-first): started last, the image build alone outlasted every other worker.
+  LONG_FIRST=(tests/test_image.py tests/test_goodput.py tests/test_wheels.py tests/test_source_install.py)
   earlier=""
-  for marker in "${TIER_MARKERS[@]}"; do
-    tier "pytest $marker"
+  for run in "${TIER_RUNS[@]}"; do
+    name=${run// /+}
+    expr=${run// / or }
+    tier "pytest $name"
     tier_rc=0
-    workers=${TIER_WORKERS[$marker]:-}
-    timeout --signal=INT --kill-after=60 40m "$PYTHON" -P -m pytest --durations=5 -p no:cacheprovider \
-      ${workers:+-n "$workers" --dist loadfile} \
-      -m "$marker${earlier:+ and not ($earlier)}" --junitxml="build/junit-$marker.xml" || tier_rc=$?
+    workers=${TIER_WORKERS[$run]:-}
+    paths=()
+    [ -z "$workers" ] || paths=(--no-loadscope-reorder "--first=$(IFS=,; echo "${LONG_FIRST[*]}")")
+    timeout --signal=INT --kill-after=60 60m "$PYTHON" -P -m pytest --durations=5 -p no:cacheprovider \
+      ${workers:+-n "$workers" --dist loadfile} "${paths[@]}" \
+      -m "($expr)${earlier:+ and not ($earlier)}" --junitxml="build/junit-$name.xml" || tier_rc=$?
     [ "$tier_rc" = 5 ] || [ "$tier_rc" = 0 ] || rc=$tier_rc        # 5: a tier with no test left
-    earlier="${earlier:+$earlier or }$marker"
+    earlier="${earlier:+$earlier or }$expr"
   done
 fi
 if [ $# -eq 0 ]; then          # the whole suite: also against the newest torch users install
@@ -81,6 +90,7 @@ if [ $# -eq 0 ]; then          # the whole suite: also against the newest torch 
   bash ci/torch_tier.sh || rc=$?
 fi
 tier ""
+ccache_stats after
 echo "ci/test.sh: total $SECONDS s"
 "$PYTHON" ci/summary.py build || true
 exit $rc

@@ -40,6 +40,19 @@ def _own_ports_per_worker() -> None:
     ports.free_port_block.__defaults__ = (start, start + span, *rest)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--first", default="", metavar="FILES",
+                     help="comma-separated test files whose tests come first, in this order (ci/test.sh "
+                          "starts its longest files first; with xdist, add --no-loadscope-reorder)")
+
+
+def pytest_collection_modifyitems(config, items):
+    first = [f for f in config.getoption("--first").split(",") if f]
+    if first:          # a stable sort: the rest keep their order, after the named files
+        items.sort(key=lambda it: first.index(it.nodeid.split("::")[0]) if it.nodeid.split("::")[0] in first
+                   else len(first))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Each test's wall time and the CPU time it used, its own and its children's: the suite's

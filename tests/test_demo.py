@@ -1,4 +1,6 @@
-"""`hpct demo` runs end to end, bounded, and reports a bit-identical recovery."""
+"""`hpct demo`'s argument checks.  The demo itself runs end to end in
+tests/test_entrypoints.py::test_readme_command_1_main_job (the main job ends with it, through the
+installed console script), which asserts its table and its bit-identical recovery."""
 
 from __future__ import annotations
 
@@ -6,19 +8,7 @@ import pytest
 
 from util import run_cli
 
-# serial: the profile measured it filling both cores or timing itself (ci/test.sh)
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.serial]
-
-
-def test_demo_runs_and_prints_the_table():
-    res = run_cli("hpct", "demo", timeout=180)
-    assert res.returncode == 0, res.stdout + res.stderr
-    out = res.stdout
-    assert "bit-identical after recovery: yes" in out
-    assert "survivors kept their processes: yes" in out
-    for row in ("start-up: process start -> first all_reduce", "recovery: SIGKILL -> first all_reduce",
-                "stock full restart"):
-        assert row in out, out
+pytestmark = pytest.mark.unit
 
 
 def test_demo_rejects_bad_arguments():

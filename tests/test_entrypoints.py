@@ -132,7 +132,12 @@ def test_readme_command_1_main_job(fresh_clone):
     assert proc.returncode == 0, out[-6000:]
     assert "command not found" not in out
     assert "measured on this machine" in proc.stdout and "stock/hpct" in proc.stdout, proc.stdout[-4000:]
+    # The demo's table, every row (tests/test_demo.py's end-to-end run was folded in here).
     assert "bit-identical after recovery: yes" in proc.stdout
+    assert "survivors kept their processes: yes" in proc.stdout
+    for row in ("start-up: process start -> first all_reduce", "recovery: SIGKILL -> first all_reduce",
+                "stock full restart"):
+        assert row in proc.stdout, proc.stdout[-4000:]
 
 
 @pytest.mark.slow

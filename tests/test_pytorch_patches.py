@@ -855,9 +855,13 @@ def test_patched_process_group_gloo_runs_storeless_and_aborts(compile_env, patch
     for tool in ("cmake", "ninja"):
         assert shutil.which(tool), f"{tool} is missing; fix: apt-get install cmake ninja-build"
     abi = "-D_GLIBCXX_USE_CXX11_ABI=0"          # the 2.6.0 wheel uses the pre-C++11 string ABI
-    gloo_build = tmp_path / "gloo"
+    # Inside the checkout, with hpct-build's compiler cache rooted there: every path the compiles
+    # see is then the same from run to run, and a rerun takes Gloo's objects from ccache.
+    gloo_build = REPO / "build" / "harness-gloo"
+    shutil.rmtree(gloo_build, ignore_errors=True)
     steps = [
-        ["cmake", "-G", "Ninja", "-S", str(GLOO_PATCHED), "-B", str(gloo_build), "-DCMAKE_BUILD_TYPE=Release",
+        ["cmake", "-G", "Ninja", "-S", str(GLOO_PATCHED), "-B", str(gloo_build), f"-DHPCT_CCACHE_BASEDIR={REPO}",
+         "-C", str(REPO / "build_scripts" / "compiler_cache.cmake"), "-DCMAKE_BUILD_TYPE=Release",
          "-DBUILD_SHARED_LIBS=OFF", "-DCMAKE_POSITION_INDEPENDENT_CODE=ON", "-DUSE_LIBUV=OFF", "-DUSE_REDIS=OFF",
          "-DUSE_IBVERBS=OFF", "-DUSE_MPI=OFF", "-DUSE_NCCL=OFF", "-DUSE_CUDA=OFF", "-DUSE_ROCM=OFF",
          "-DUSE_TCP_OPENSSL_LINK=OFF", "-DUSE_TCP_OPENSSL_LOAD=OFF", "-DBUILD_TEST=OFF", "-DBUILD_BENCHMARK=OFF",

@@ -106,7 +106,8 @@ def build_gloo(layout: Layout, m: Manifest, progress: Progress, tests: bool = Fa
     # Gloo's messages carry __FILE__: name the tree by version, not by this machine's path,
     # so users read [gloo-5354032/gloo/...] and two builds of one series are byte-identical.
     prefix_map = f"-ffile-prefix-map={src}={m.name}-{m.version}"
-    run_logged([tools["cmake"], "-G", "Ninja", "-S", src, "-B", obj, "-C", recipe,
+    # -D before -C: the recipe's compiler cache reads the tree root (build_scripts/compiler_cache.cmake).
+    run_logged([tools["cmake"], "-G", "Ninja", "-S", src, "-B", obj, f"-DHPCT_CCACHE_BASEDIR={layout.root}", "-C", recipe,
                 f"-DBUILD_TEST={'ON' if tests else 'OFF'}", f"-DCMAKE_INSTALL_PREFIX={staging}",
                 f"-DCMAKE_CXX_FLAGS={prefix_map}"],
                log, progress, "cmake configure", env=env)
