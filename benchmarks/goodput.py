@@ -44,6 +44,7 @@ import uuid
 from pathlib import Path
 
 import goodput_faults as gf
+import goodput_reference
 from launch import EXAMPLE, REPO, TAG_VAR, _descendants, _environ, _kill_tagged, _torch_version
 
 SUBNET = "10.238.0"
@@ -344,6 +345,11 @@ def main(argv=None) -> int:
     ap.add_argument("--during-s", type=float, default=0.3, help="the second kill's delay in a 'during' fault")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per job (default: 3x --minutes + 120)")
     ap.add_argument("--keep", action="store_true", help="keep every job's folder (failed jobs' always)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="the job's steps (default: as many as --minutes holds at the calibrated step time); "
+                         "the same steps, seed and job reuse the cached fault-free digest")
+    ap.add_argument("--fresh-reference", action="store_true",
+                    help="run the fault-free reference job even when its digest is cached (benchmarks/goodput_reference.py)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     from goodput_report import check_args, report
@@ -369,20 +375,32 @@ def main(argv=None) -> int:
         step_s = {s: gf.fault_free_step_s(results[f"{s}-calibration"]["logs"])
                   if results[f"{s}-calibration"]["error"] is None else None for s in args.systems}
         known = [v for v in step_s.values() if v]
-        args.steps = CALIBRATION_STEPS
+        job_steps, args.steps = args.steps, CALIBRATION_STEPS
         if not known:
             print(report(results, step_s, [], args)[1])
             return 1
         horizon = args.minutes * 60
-        args.steps = max(CALIBRATION_STEPS, round(horizon / known[0]))     # the same job for both systems
-        results["reference"] = run("stock", ns, args, args.steps, 0.0, [])   # the digest without faults
+        # the same job for both systems: --minutes of fault-free steps, unless --steps says how many
+        args.steps = job_steps or max(CALIBRATION_STEPS, round(horizon / known[0]))
+        print(f"goodput: {args.steps} steps (rerun the same job with --seed {args.seed} --steps {args.steps})",
+              file=sys.stderr, flush=True)
+        ref_key = goodput_reference.key(EXAMPLE, _torch_version(), args.nodes, args.nproc, args.steps)
+        cached = None if args.fresh_reference else goodput_reference.load(ref_key)
+        if cached:
+            print(f"goodput: the fault-free digest of these {args.steps} steps from "
+                  f"{goodput_reference.folder() / ref_key}.json (--fresh-reference runs it again)",
+                  file=sys.stderr, flush=True)
+            results["reference"] = goodput_reference.cached_result(cached)
+        else:
+            results["reference"] = run("stock", ns, args, args.steps, 0.0, [])   # the digest without faults
+            goodput_reference.store(ref_key, results["reference"])
         faults = gf.schedule(args.seed, args.mtbf, horizon * 0.9, args.nodes * args.nproc, args.kinds)
         for system in args.systems:
             results[system] = run(system, ns, args, args.steps, args.step_time, faults, net if lossy else None)
     doc, text, ok = report(results, step_s, faults, args)
     print(text)
     for r in results.values():
-        if r["error"] is None and not args.keep and ok:
+        if r["error"] is None and not args.keep and ok and r["tmp"] is not None:
             import shutil
             shutil.rmtree(r["tmp"], ignore_errors=True)
     if args.json:

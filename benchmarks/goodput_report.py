@@ -29,6 +29,8 @@ def check_args(args, ap) -> None:
     for name in ("minutes", "mtbf", "stop_s", "stop_long_s", "op_timeout", "during_s", "lossy_s"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be above 0")
+    if args.steps is not None and args.steps < 1:
+        ap.error("--steps must be at least 1 (or left out: as many as --minutes holds)")
     if args.node_return_s < 0:
         ap.error("--node-return-s must be 0 or above")
     if args.stop_s >= args.op_timeout or args.stop_long_s <= args.op_timeout:

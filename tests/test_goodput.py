@@ -109,6 +109,7 @@ def test_each_way_a_fault_can_end_is_told_apart():
 @pytest.mark.parametrize("argv, message", [
     (["--node-return-s", "-1"], "--node-return-s must be 0 or above"),
     (["--lossy-s", "0"], "--lossy-s must be above 0"),
+    (["--steps", "0"], "--steps must be at least 1 (or left out: as many as --minutes holds)"),
     (["--kinds", "kill,flood"], "--kinds: unknown flood (known: kill, stop, stop-long, during, node, lossy)"),
 ])
 def test_bad_soak_arguments_say_what_is_wrong_before_anything_starts(argv, message, capsys):
@@ -118,14 +119,41 @@ def test_bad_soak_arguments_say_what_is_wrong_before_anything_starts(argv, messa
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.unit
+def test_the_reference_digest_is_kept_per_job_and_only_from_a_clean_run(tmp_path, monkeypatch):
+    import goodput_reference as ref
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    script = tmp_path / "ddp.py"
+    script.write_text("model = 1\n")
+    k = ref.key(script, "2.13.0", 4, 4, 600)
+    # every input is part of the key: a changed script, torch, world or length is another job
+    others = {ref.key(script, "2.15.0", 4, 4, 600), ref.key(script, "2.13.0", 3, 4, 600),
+              ref.key(script, "2.13.0", 4, 2, 600), ref.key(script, "2.13.0", 4, 4, 601)}
+    script.write_text("model = 2\n")
+    others.add(ref.key(script, "2.13.0", 4, 4, 600))
+    assert k not in others and len(others) == 5
+    assert ref.load(k) is None
+    assert not ref.store(k, {"error": "stock: launchers exited [1]", "digests": ["a"]})
+    assert not ref.store(k, {"error": None, "digests": ["a", "b"]})       # ranks that disagree
+    assert ref.load(k) is None
+    assert ref.store(k, {"error": None, "digests": ["abc"], "wall_s": 12.5})
+    assert ref.load(k) == ["abc"] and ref.cached_result(["abc"])["digests"] == ["abc"]
+    assert list((tmp_path / "cache" / "hpct" / "goodput-reference").iterdir()) == [ref.folder() / f"{k}.json"]
+    (ref.folder() / f"{k}.json").write_text('{"key": "%s", "dig' % k)      # cut short: a miss
+    assert ref.load(k) is None
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 def test_a_short_soak_ends_clean_on_hpct_and_on_torchrun(tmp_path):
     # slow, not multihost: it sleeps through most of its minutes, beside the slow tier's builds.
     # Seed 41 on 3x2: a short stop, a lost node, a kill during another kill's recovery, a kill.
     out = tmp_path / "goodput.json"
+    # --steps fixed (what --minutes 1 held here: 495): the same job every run, so its fault-free digest
+    # comes from the cache after the first (benchmarks/goodput_reference.py); the last fault is at 48 s.
     proc = subprocess.run([sys.executable, str(BENCH / "goodput.py"), "--config", "3x2", "--minutes", "1",
-                           "--mtbf", "8", "--seed", "41", "--kinds", "kill,stop,during,node", "--json", str(out)],
+                           "--steps", "500", "--mtbf", "8", "--seed", "41", "--kinds", "kill,stop,during,node",
+                           "--json", str(out)],
                           capture_output=True, text=True, timeout=1200, cwd=tmp_path)
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
