@@ -1,5 +1,6 @@
 """hpct-build's compiler cache (build_scripts/compiler_cache.cmake): with ccache installed, a tree
-at another path builds Gloo from the first tree's objects, and the library is the same bytes.
+at another path builds Gloo from the first tree's objects, and the library is the same bytes as
+with the cache and without it.
 CI leans on it (every fresh clone, sdist and wheel of the suite rebuilds Gloo), so a cache that
 quietly stopped hitting would cost minutes per run without failing anything but this."""
 
@@ -54,7 +55,18 @@ def test_a_tree_at_another_path_builds_gloo_from_the_cache_byte_identical(tmp_pa
     warm = _stats(env)
     hits = warm.get("direct_cache_hit", 0) + warm.get("preprocessed_cache_hit", 0)
     assert (hits, warm["cache_miss"]) == (compiles, compiles), warm     # every object from the cache
-    assert (first / LIBGLOO).read_bytes() == (second / LIBGLOO).read_bytes()
+    lib = (first / LIBGLOO).read_bytes()
+    assert (second / LIBGLOO).read_bytes() == lib
+    # The cache changes no byte: the same tree built without it (ccache passes the compiler the
+    # tree's absolute paths, not the relative ones) is the same library.  Gloo's messages name
+    # their file by the tree's version, never by a path of the machine that built it.
+    third = _seeded(tmp_path / "plain" / "checkout", repo, gloo_archive)
+    proc = run_cli("hpct-build", "build", "gloo", "--root", str(third), env={**env, "CCACHE_DISABLE": "1"},
+                   timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    assert _stats(env)["cache_miss"] == compiles                        # it went around the cache
+    assert (third / LIBGLOO).read_bytes() == lib
+    assert b"gloo-5354032/gloo/transport/tcp/" in lib and b"../patched" not in lib and str(tmp_path).encode() not in lib
 
 
 def _configure(tmp_path: Path, name: str, env: dict) -> str:

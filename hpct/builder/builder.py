@@ -105,7 +105,10 @@ def build_gloo(layout: Layout, m: Manifest, progress: Progress, tests: bool = Fa
     # relocate it): configure the staging prefix itself, then rename it into place.
     # Gloo's messages carry __FILE__: name the tree by version, not by this machine's path,
     # so users read [gloo-5354032/gloo/...] and two builds of one series are byte-identical.
-    prefix_map = f"-ffile-prefix-map={src}={m.name}-{m.version}"
+    # With ccache (build_scripts/compiler_cache.cmake) the compiler sees the tree's paths relative to
+    # the object folder (its base folder rewrite): map that spelling too, so the bytes are the same.
+    prefix_map = (f"-ffile-prefix-map={src}={m.name}-{m.version} "
+                  f"-ffile-prefix-map={os.path.relpath(src, obj)}={m.name}-{m.version}")
     # -D before -C: the recipe's compiler cache reads the tree root (build_scripts/compiler_cache.cmake).
     run_logged([tools["cmake"], "-G", "Ninja", "-S", src, "-B", obj, f"-DHPCT_CCACHE_BASEDIR={layout.root}", "-C", recipe,
                 f"-DBUILD_TEST={'ON' if tests else 'OFF'}", f"-DCMAKE_INSTALL_PREFIX={staging}",

@@ -32,7 +32,7 @@ def execute(args: argparse.Namespace) -> int:
     component, _, version = args.component.partition("=")
     if component not in COMPONENTS or (version and component != "nccl"):
         raise ConfigError(f"no wheel for {args.component!r}",
-                          fix=f"build one of: hpct, nccl, nccl=VERSION")
+                          fix="build one of: hpct, nccl, nccl=VERSION")
     layout, progress = layout_of(args), progress_of(args)
     if component == "nccl":
         if args.python or args.sdist:
