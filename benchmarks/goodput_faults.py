@@ -152,7 +152,9 @@ def outcome(fault: dict, logs, until: float = float("inf")) -> str:
             continue                                    # a place another fault took out meanwhile
         if not after:
             return "after the job's end"
-        settled = [pid for t, pid in after if t < until]
+        # the holder before the next fault: a step the old process had in flight at the fault
+        # says nothing (a slow restart may not step again before the next fault at all)
+        settled = [pid for t, pid in after if t < until and (t > fault["t"] + IN_FLIGHT_S or pid != fault["pids"][r])]
         if not settled and until != float("inf"):
             return "overlapped by the next fault"      # not every rank stepped again before it came
         holder[r] = settled[-1] if settled else after[0][1]

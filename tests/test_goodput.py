@@ -100,6 +100,11 @@ def test_each_way_a_fault_can_end_is_told_apart():
                     2: [(1, 1.6, 30), (1, 4.0, 31), (2, 9.0, 31)]})
     assert gf.outcome(base, flight, until=8.0) == "every worker restarted"
     assert gf.outcome(base, flight, until=3.0) == "overlapped by the next fault"
+    # every rank, the lost node's too, logs the step in flight at the kill; the restart outlasts
+    # the gap to the next fault (a loaded CI run's stock): overlapped, not "no new process"
+    slow = _logs({r: [(0, 1.0, pid), (1, 1.52, pid), (2, 25.0, pid + 50)] for r, pid in node["pids"].items()})
+    assert gf.outcome(node, slow, until=19.5) == "overlapped by the next fault"
+    assert gf.outcome(node, slow) == "every worker restarted"
     # a step that no rank logged is lost work, not a kill's unlogged last line
     cut = _logs({0: [(0, 1.0, 10), (2, 3.0, 10)], 1: [(0, 1.0, 20), (2, 3.0, 21)]})
     assert gf.account(cut, [], steps=3, step_s=1.0, wall_s=4.0)["steps_missing"] == [1]
