@@ -52,21 +52,24 @@ else
   # test carries one).  serial before the tiers that share the machine: it takes the tests that
   # time themselves or fill both cores.
   TIER_MARKERS=(unit nccl_sim serial multiprocess multihost slow)
-  # One pytest run per entry.  The tiers of waiting tests share the last run, on pytest-xdist
-  # workers: the profile (build/test-profile-*.jsonl, CPU / wall per test) measured 0.1-0.6 for
-  # multiprocess (PyTorch's suites on hpct, the lossy links), about 0 for multihost (Slurm waits)
-  # and 0.1-1.2 for slow (Gloo's own suite sleeps; the image, wheel and source builds use one
-  # core each), against 1.2-1.9 for the serial tests.  Run one after the other, each of them
-  # ended on a few long files while the other workers idled; together the short files of one
-  # fill the gaps of another.  Each worker takes its ports from a range of its own
-  # (tests/conftest.py) and pytest gives it its own scratch folder; loadfile keeps a module's
-  # shared world in one worker.  unit and nccl_sim stay one at a time: their tests write the
-  # checkout's patched trees and time in-process deadlines, for a minute's gain at most.
-  TIER_RUNS=(unit nccl_sim serial "multiprocess multihost slow")
-  declare -A TIER_WORKERS=([multiprocess multihost slow]=4)
-  # The shared run's longest files start first, one per worker (collection order, not xdist's
-  # most-tests-first): started last, the image build alone outlasted every other worker.
-  LONG_FIRST=(tests/test_image.py tests/test_goodput.py tests/test_wheels.py tests/test_source_install.py)
+  # One pytest run per entry; TIER_WORKERS gives a run pytest-xdist workers where what serial
+  # leaves keeps a core idle: the profile (build/test-profile-*.jsonl, CPU / wall per test)
+  # measured 0.1-0.6 for the rest of the multiprocess tier (PyTorch's suites on hpct, the lossy
+  # links) and 0.1-1.2 for the rest of slow (Gloo's own suite sleeps; the image, wheel and
+  # source builds use one core each), against 1.2-1.9 for the serial tests.  One run of all
+  # three on 4 workers was tried: the image, the wheels and the source installs compiling at
+  # once stretched the image to 825 s and Slurm's job start past its limit, for 100 s saved.
+  # Each worker takes its ports from a range of its own (tests/conftest.py) and pytest gives it
+  # its own scratch folder; loadfile keeps a module's shared world in one worker.  unit and
+  # nccl_sim stay one at a time: their tests write the checkout's patched trees and time
+  # in-process deadlines, for a minute's gain at most.
+  TIER_RUNS=(unit nccl_sim serial multiprocess multihost slow)
+  declare -A TIER_WORKERS=([multiprocess]=3 [slow]=3)
+  # A run's longest files start first, one per worker (collection order, not xdist's
+  # most-tests-first): started late, the image build alone outlasted every other slow worker,
+  # and PyTorch's c10d suite (one test, three minutes) the other multiprocess ones.
+  LONG_FIRST=(tests/test_image.py tests/test_goodput.py tests/test_wheels.py tests/test_source_install.py
+              tests/test_torch_suites.py tests/test_fault_tolerance.py)
   earlier=""
   for run in "${TIER_RUNS[@]}"; do
     name=${run// /+}
@@ -76,7 +79,7 @@ else
     workers=${TIER_WORKERS[$run]:-}
     paths=()
     [ -z "$workers" ] || paths=(--no-loadscope-reorder "--first=$(IFS=,; echo "${LONG_FIRST[*]}")")
-    timeout --signal=INT --kill-after=60 60m "$PYTHON" -P -m pytest --durations=5 -p no:cacheprovider \
+    timeout --signal=INT --kill-after=60 40m "$PYTHON" -P -m pytest --durations=5 -p no:cacheprovider \
       ${workers:+-n "$workers" --dist loadfile} "${paths[@]}" \
       -m "($expr)${earlier:+ and not ($earlier)}" --junitxml="build/junit-$name.xml" || tier_rc=$?
     [ "$tier_rc" = 5 ] || [ "$tier_rc" = 0 ] || rc=$tier_rc        # 5: a tier with no test left

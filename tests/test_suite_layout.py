@@ -87,7 +87,7 @@ def test_only_tiers_of_waiting_tests_run_several_at_a_time():
     assert all(2 <= int(n) <= 4 for n in workers.values()), workers
     assert runs.index("serial") < min(runs.index(r) for r in workers), \
         "serial must come before the shared runs: a test marked serial and multiprocess runs in the first"
-    for path in _bash_array("LONG_FIRST"):     # started first in the shared run: they must exist
+    for path in _bash_array("LONG_FIRST"):     # started first in their run: they must exist
         assert (REPO / path).is_file(), f"ci/test.sh's LONG_FIRST names {path}, which is gone"
 
 
@@ -105,7 +105,7 @@ def test_the_summary_reads_tiers_junit_reports_and_cache_logs(tmp_path, capsys):
     (tmp_path / "ccache-after.tsv").write_text("cache_miss\t43\ndirect_cache_hit\t90\npreprocessed_cache_hit\t7\n")
     assert summary.main(["summary", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "all tiers                        2547" in out
+    assert "all tiers                                2547" in out
     slow = [ln for ln in out.splitlines() if "tests/test_x.py::test_" in ln]
     assert len(slow) == 10 and slow[0].split() == ["11.5", "suite:", "tests/test_x.py::test_11"]
     assert "NCCL 2.30.7 build          hit" in out and "NCCL 2.21.5 build          miss (built, then stored)" in out
