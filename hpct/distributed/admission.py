@@ -39,7 +39,7 @@ import torch.distributed as dist
 from ..config import Config
 from ..errors import ConfigError, HpctArgumentError, PortPlanError, RendezvousError
 from ..ports import host_of
-from . import agent_link, world
+from . import agent_link, recovery, world
 
 
 def _config(hosts) -> Config:
@@ -101,7 +101,7 @@ def grow(world_size: int | None = None, *, hosts: list[str] | None = None, plan_
                           fix="start the job with hd.init_process_group() before growing it")
     cfg = world._config()
     if (world_size, hosts, plan_ranks) == (None, None, None) and cfg.agent_port is not None:
-        rank, world_size, generation, places = world.agent_world(cfg, world.plan_rank(rank), world.generation())
+        rank, world_size, generation, places = recovery.agent_world(cfg, world.plan_rank(rank), world.generation())
         world.shutdown_all()      # a step boundary: every group is idle and closes gracefully
         return world.init_process_group(rank, world_size, timeout=timeout, config=cfg, generation=generation,
                                         plan_ranks=places)
@@ -123,5 +123,5 @@ def grow(world_size: int | None = None, *, hosts: list[str] | None = None, plan_
     world.shutdown_all()          # a step boundary: every group is idle and closes gracefully
     identity = places == list(range(world_size))
     return world.init_process_group(rank, world_size, timeout=timeout, config=cfg,
-                                    generation=world.next_generation(),
+                                    generation=recovery.next_generation(),
                                     plan_ranks=None if identity else places)

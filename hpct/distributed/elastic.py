@@ -16,7 +16,7 @@ Two ways in, one result:
   teaches torch's finaliser to take a Python process group as it is, as torch's own
   group creation does for Python groups.
 - ``hd.shrink(ranks, group=...)`` for any torch: the default group shrinks through
-  ``world.recover`` with the survivors' plan; another group is destroyed and made again
+  ``recovery.recover`` with the survivors' plan; another group is destroyed and made again
   over the survivors with ``new_group(..., use_local_synchronization=True)``.
 
 A shrunk subgroup forms at its old generation + 1 (its members alone agree on it); the
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ..errors import HpctArgumentError
-from . import world
+from . import recovery, world
 from .world import HpctProcessGroup     # only world builds groups (tests/test_layout.py)
 
 SHRINK_DEFAULT = getattr(c10d, "SHRINK_DEFAULT", 0)
@@ -114,7 +114,7 @@ def shrink(ranks_to_exclude: list[int], group=None, shrink_flags: int = SHRINK_D
     survivors, new_rank = _survivors(pg, excluded)
     if _is_default(pg):
         plan = [world.plan_rank(r) for r in survivors]
-        return world.recover(world_size=len(survivors), rank=new_rank, plan_ranks=plan)
+        return recovery.recover(world_size=len(survivors), rank=new_rank, plan_ranks=plan)
     gen = pg.generation + 1
     key = getattr(pg, "group_key", None)
     pg.abort("shrinking the group")
@@ -140,7 +140,7 @@ def _torch_shrink(pg: HpctProcessGroup, excluded, shrink_flags, pg_options) -> H
         # torch destroys every other group after this returns; release them now, so the new
         # world can listen on slot 0 at once (the survivor keeps its address).
         plan = [world.plan_rank(r) for r in survivors]
-        gen = world.next_generation()
+        gen = recovery.next_generation()
         world.abort_all("shrinking the default group")
         for other in world.live_groups():
             other.shutdown()

@@ -7,7 +7,7 @@ forms its own ProcessGroup binds (``broadcast(tensor, root=0)``, ``allreduce(ten
 type and hands it plain arguments; the engine returns the Work: ``cpu`` → the Gloo
 engine (gloo_engine.py), ``cuda`` → the NCCL engine (nccl_engine.py, attached by world.py
 when torch sees a CUDA device).  Lifecycle (abort, shutdown, exit) is written once here, for
-every engine; creation and recovery live in world.py.  docs/architecture.md draws it.
+every engine; creation lives in world.py, recovery in recovery.py.  docs/architecture.md draws it.
 """
 
 from __future__ import annotations
