@@ -108,11 +108,11 @@ def main(argv: list[str]) -> int:
     build = Path(argv[1]) if len(argv) > 1 else Path("build")
     print("ci summary " + "-" * 60)
     rows = tiers(build)
-    print(f"{'tier':36s} {'seconds':>8s}")
+    print(f"{'tier':28s} {'seconds':>8s}")
     for name, seconds in rows:
-        print(f"{name:36s} {seconds:8d}")
+        print(f"{name:28s} {seconds:8d}")
     if rows:
-        print(f"{'all tiers':36s} {sum(s for _, s in rows):8d}")
+        print(f"{'all tiers':28s} {sum(s for _, s in rows):8d}")
     print("\nten slowest tests (seconds):")
     found = slowest(build)
     for seconds, name in found:

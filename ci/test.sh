@@ -52,7 +52,7 @@ else
   # test carries one).  serial before the tiers that share the machine: it takes the tests that
   # time themselves or fill both cores.
   TIER_MARKERS=(unit nccl_sim serial multiprocess multihost slow)
-  # One pytest run per entry; TIER_WORKERS gives a run pytest-xdist workers where what serial
+  # One pytest run per tier; TIER_WORKERS gives a tier pytest-xdist workers where what serial
   # leaves keeps a core idle: the profile (build/test-profile-*.jsonl, CPU / wall per test)
   # measured 0.1-0.6 for the rest of the multiprocess tier (PyTorch's suites on hpct, the lossy
   # links) and 0.1-1.2 for the rest of slow (Gloo's own suite sleeps; the image, wheel and
@@ -63,27 +63,24 @@ else
   # its own scratch folder; loadfile keeps a module's shared world in one worker.  unit and
   # nccl_sim stay one at a time: their tests write the checkout's patched trees and time
   # in-process deadlines, for a minute's gain at most.
-  TIER_RUNS=(unit nccl_sim serial multiprocess multihost slow)
   declare -A TIER_WORKERS=([multiprocess]=3 [slow]=3)
-  # A run's longest files start first, one per worker (collection order, not xdist's
+  # A tier's longest files start first, one per worker (collection order, not xdist's
   # most-tests-first): started late, the image build alone outlasted every other slow worker,
   # and PyTorch's c10d suite (one test, three minutes) the other multiprocess ones.
   LONG_FIRST=(tests/test_image.py tests/test_goodput.py tests/test_wheels.py tests/test_source_install.py
               tests/test_torch_suites.py tests/test_fault_tolerance.py)
   earlier=""
-  for run in "${TIER_RUNS[@]}"; do
-    name=${run// /+}
-    expr=${run// / or }
-    tier "pytest $name"
+  for marker in "${TIER_MARKERS[@]}"; do
+    tier "pytest $marker"
     tier_rc=0
-    workers=${TIER_WORKERS[$run]:-}
-    paths=()
-    [ -z "$workers" ] || paths=(--no-loadscope-reorder "--first=$(IFS=,; echo "${LONG_FIRST[*]}")")
+    workers=${TIER_WORKERS[$marker]:-}
+    order=()
+    [ -z "$workers" ] || order=(--no-loadscope-reorder "--first=$(IFS=,; echo "${LONG_FIRST[*]}")")
     timeout --signal=INT --kill-after=60 40m "$PYTHON" -P -m pytest --durations=5 -p no:cacheprovider \
-      ${workers:+-n "$workers" --dist loadfile} "${paths[@]}" \
-      -m "($expr)${earlier:+ and not ($earlier)}" --junitxml="build/junit-$name.xml" || tier_rc=$?
+      ${workers:+-n "$workers" --dist loadfile} "${order[@]}" \
+      -m "$marker${earlier:+ and not ($earlier)}" --junitxml="build/junit-$marker.xml" || tier_rc=$?
     [ "$tier_rc" = 5 ] || [ "$tier_rc" = 0 ] || rc=$tier_rc        # 5: a tier with no test left
-    earlier="${earlier:+$earlier or }$expr"
+    earlier="${earlier:+$earlier or }$marker"
   done
 fi
 if [ $# -eq 0 ]; then          # the whole suite: also against the newest torch users install

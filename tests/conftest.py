@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import os
 import resource
-import shutil
 import time
 from pathlib import Path
 
 import pytest
 
-from util import REPO, run_cli
+from util import REPO, run_cli, seed_checkout
 
 
 def pytest_configure(config):
@@ -47,10 +46,9 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    first = [f for f in config.getoption("--first").split(",") if f]
+    first = {f: i for i, f in enumerate(f for f in config.getoption("--first").split(",") if f)}
     if first:          # a stable sort: the rest keep their order, after the named files
-        items.sort(key=lambda it: first.index(it.nodeid.split("::")[0]) if it.nodeid.split("::")[0] in first
-                   else len(first))
+        items.sort(key=lambda it: first.get(it.nodeid.split("::")[0], len(first)))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -82,12 +80,7 @@ def repo() -> Path:
 @pytest.fixture
 def scratch_root(tmp_path: Path, repo: Path) -> Path:
     """A throw-away checkout: the real manifests, patches and recipes, an empty work area."""
-    root = tmp_path / "checkout"
-    root.mkdir()
-    for name in ("third_party", "patches", "build_scripts"):
-        shutil.copytree(repo / name, root / name,
-                        ignore=shutil.ignore_patterns("src", "patched", "build", "cache"))
-    return root
+    return seed_checkout(tmp_path / "checkout", repo)
 
 
 @pytest.fixture
@@ -101,11 +94,9 @@ def gloo_archive(repo: Path) -> Path:
 
 
 @pytest.fixture
-def seeded_root(scratch_root: Path, gloo_archive: Path) -> Path:
+def seeded_root(tmp_path: Path, repo: Path, gloo_archive: Path) -> Path:
     """A scratch checkout whose cache already holds the verified Gloo tarball."""
-    (scratch_root / "third_party" / "cache").mkdir()
-    shutil.copy2(gloo_archive, scratch_root / "third_party" / "cache" / gloo_archive.name)
-    return scratch_root
+    return seed_checkout(tmp_path / "checkout", repo, gloo_archive)
 
 
 @pytest.fixture(params=["mesh", "lazy"])

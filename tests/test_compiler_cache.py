@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from util import run_cli
+from util import run_cli, seed_checkout
 
 pytestmark = pytest.mark.slow
 
@@ -29,19 +29,11 @@ def _stats(env: dict) -> dict[str, int]:
             if v.isdigit()}
 
 
-def _seeded(root: Path, repo: Path, archive: Path) -> Path:
-    for name in ("third_party", "patches", "build_scripts"):
-        shutil.copytree(repo / name, root / name, ignore=shutil.ignore_patterns("src", "patched", "build", "cache"))
-    (root / "third_party" / "cache").mkdir()
-    shutil.copy2(archive, root / "third_party" / "cache" / archive.name)
-    return root
-
-
 @needs_ccache
 def test_a_tree_at_another_path_builds_gloo_from_the_cache_byte_identical(tmp_path, repo, gloo_archive):
     env = {"CCACHE_DIR": str(tmp_path / "ccache")}    # cold: this test's own cache
-    first = _seeded(tmp_path / "a" / "checkout", repo, gloo_archive)
-    second = _seeded(tmp_path / "deeper" / "b" / "checkout", repo, gloo_archive)
+    first = seed_checkout(tmp_path / "a" / "checkout", repo, gloo_archive)
+    second = seed_checkout(tmp_path / "deeper" / "b" / "checkout", repo, gloo_archive)
     proc = run_cli("hpct-build", "build", "gloo", "--root", str(first), env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr
     cold = _stats(env)
@@ -60,7 +52,7 @@ def test_a_tree_at_another_path_builds_gloo_from_the_cache_byte_identical(tmp_pa
     # The cache changes no byte: the same tree built without it (ccache passes the compiler the
     # tree's absolute paths, not the relative ones) is the same library.  Gloo's messages name
     # their file by the tree's version, never by a path of the machine that built it.
-    third = _seeded(tmp_path / "plain" / "checkout", repo, gloo_archive)
+    third = seed_checkout(tmp_path / "plain" / "checkout", repo, gloo_archive)
     proc = run_cli("hpct-build", "build", "gloo", "--root", str(third), env={**env, "CCACHE_DISABLE": "1"},
                    timeout=900)
     assert proc.returncode == 0, proc.stderr

@@ -64,30 +64,21 @@ def test_the_tiers_ci_test_sh_names_are_the_registered_markers():
     assert named == registered_markers() - {"gpu"}, (named, registered_markers())
 
 
-def _bash_array(name: str) -> list[str]:
-    """The words of ci/test.sh's NAME=(...), a quoted word ("a b") kept whole."""
-    m = re.search(rf"^\s*{name}=\(([^)]*)\)", (REPO / "ci" / "test.sh").read_text(), re.MULTILINE)
-    assert m, f"ci/test.sh has no {name}=(...)"
-    return [a or b for a, b in re.findall(r'"([^"]*)"|(\S+)', m.group(1))]
-
-
 def test_only_tiers_of_waiting_tests_run_several_at_a_time():
-    """TIER_RUNS (one pytest run each) covers TIER_MARKERS in order; TIER_WORKERS (pytest-xdist
-    workers per run) names runs without serial or unit: the tests that time themselves or fill
-    both cores must not share the machine."""
-    runs = _bash_array("TIER_RUNS")
-    tiers = ci_tiers()
-    assert [t for run in runs for t in run.split()] == tiers, (runs, tiers)
+    """TIER_WORKERS (pytest-xdist workers per tier) names tiers of the list, never serial: the
+    tests that time themselves or fill both cores must not share the machine."""
     text = (REPO / "ci" / "test.sh").read_text()
     m = re.search(r"^\s*declare -A TIER_WORKERS=\(([^)]*)\)", text, re.MULTILINE)
     assert m, "ci/test.sh has no declare -A TIER_WORKERS=(...)"
-    workers = dict(re.findall(r"\[([\w ]+)\]=(\d+)", m.group(1)))
-    assert workers and set(workers) <= set(runs), (workers, runs)
-    assert not any({"serial", "unit"} & set(run.split()) for run in workers), workers
+    workers = dict(re.findall(r"\[(\w+)\]=(\d+)", m.group(1)))
+    tiers = ci_tiers()
+    assert workers and set(workers) <= set(tiers) - {"serial", "unit"}, (workers, tiers)
     assert all(2 <= int(n) <= 4 for n in workers.values()), workers
-    assert runs.index("serial") < min(runs.index(r) for r in workers), \
-        "serial must come before the shared runs: a test marked serial and multiprocess runs in the first"
-    for path in _bash_array("LONG_FIRST"):     # started first in their run: they must exist
+    assert tiers.index("serial") < min(tiers.index(t) for t in workers), \
+        "serial must come before the shared tiers: a test marked serial and multiprocess runs in the first"
+    m = re.search(r"^\s*LONG_FIRST=\(([^)]*)\)", text, re.MULTILINE)
+    assert m, "ci/test.sh has no LONG_FIRST=(...)"
+    for path in m.group(1).split():     # started first in their tier: they must exist
         assert (REPO / path).is_file(), f"ci/test.sh's LONG_FIRST names {path}, which is gone"
 
 
@@ -105,7 +96,7 @@ def test_the_summary_reads_tiers_junit_reports_and_cache_logs(tmp_path, capsys):
     (tmp_path / "ccache-after.tsv").write_text("cache_miss\t43\ndirect_cache_hit\t90\npreprocessed_cache_hit\t7\n")
     assert summary.main(["summary", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "all tiers                                2547" in out
+    assert "all tiers                        2547" in out
     slow = [ln for ln in out.splitlines() if "tests/test_x.py::test_" in ln]
     assert len(slow) == 10 and slow[0].split() == ["11.5", "suite:", "tests/test_x.py::test_11"]
     assert "NCCL 2.30.7 build          hit" in out and "NCCL 2.21.5 build          miss (built, then stored)" in out

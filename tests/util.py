@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 ENTRY_POINTS = {"hpct-build": "hpct.builder.cli", "hpct": "hpct.cli"}
+
+
+def seed_checkout(root: Path, repo: Path, archive: Path | None = None) -> Path:
+    """A throw-away checkout at ``root``: the real manifests, patches and recipes, an empty work
+    area, and ``archive`` (a verified source tarball) already in its cache when given."""
+    for name in ("third_party", "patches", "build_scripts"):
+        shutil.copytree(repo / name, root / name, ignore=shutil.ignore_patterns("src", "patched", "build", "cache"))
+    if archive is not None:
+        (root / "third_party" / "cache").mkdir()
+        shutil.copy2(archive, root / "third_party" / "cache" / archive.name)
+    return root
 
 
 def run_cli(prog: str, *args: str, env: dict | None = None, timeout: float = 600,
