@@ -71,7 +71,7 @@ echo "ci/torch_tier.sh: $("$venv/bin/python" -P -c 'import torch; print("torch",
 # on the CPU pin; this tier keeps CI within its time).
 timeout --signal=INT --kill-after=30 20m "$venv/bin/python" -P -m pytest -q -p no:cacheprovider \
   --junitxml=build/junit-torch.xml \
-  tests/test_backend.py tests/test_recovery.py::test_ddp_survives_a_sigkilled_rank_bit_identical \
+  tests/test_backend.py tests/test_recovery.py::test_ddp_survives_two_sigkilled_ranks_bit_identical \
   tests/test_elastic.py tests/test_doctor.py tests/test_nccl_sim.py tests/test_nccl_sim_faults.py tests/test_reconfigure.py \
   tests/test_fault_tolerance.py tests/test_torch_nccl.py \
   tests/test_launch_recovery.py::test_a_killed_worker_is_replaced_from_a_standby_and_nobody_else_restarts \

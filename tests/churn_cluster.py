@@ -2,9 +2,11 @@
 
 Each rank is a tests/churn_worker.py process in the namespace of its plan place (place p on
 node p // P).  The agent keeps one warm spare per node (torch already imported), so that a
-replacement or a joiner costs a connect, not an interpreter start.  It talks to every process
-through its stdin/stdout (JSON lines) and waits for each answer with a deadline; any process
-still alive at the end is killed (SIGCONT first, so a stopped one can die).
+replacement or a joiner costs a connect, not an interpreter start.  Each node's workers are
+forked by a fork server there (tests/zygote.py: torch imported once per node, not once per
+worker; it is the harness's start path, and what the test checks begins at "join").  The agent
+talks to every worker through a Unix socket (JSON lines) and waits for each answer with a
+deadline; any process still alive at the end is killed (SIGCONT first, so a stopped one can die).
 """
 
 from __future__ import annotations
@@ -12,13 +14,18 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from zygote import Forked, Zygote
 
 WORKER = str(Path(__file__).with_name("churn_worker.py"))
 ANSWER_S = 60.0           # any answer a process owes the agent arrives within this, or the test fails
@@ -29,7 +36,7 @@ SPARES_PER_NODE = 2       # a round may replace two ranks of one node, or admit 
 @dataclass
 class Proc:
     node: int
-    popen: subprocess.Popen
+    popen: Forked               # from its node's fork server
     log: Path
     place: int = -1
     ready: bool = False        # torch imported: it said "spare"
@@ -75,22 +82,50 @@ class Cluster:
         self.members: list[Proc] = []
         self.spares: dict[int, list[Proc]] = {n: [] for n in range(len(nodes))}
         self.everyone: list[Proc] = []
+        self.zygotes: dict[int, Zygote] = {}     # node -> its fork server (torch imported once there)
+        # A socket's path has room for 107 bytes; pytest's folder may not leave it
+        self.sock_dir = tempfile.mkdtemp(prefix="hpct-churn-")
+        self.sock_path = os.path.join(self.sock_dir, "zygote.sock")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.sock_path)
+        self.listener.listen(64)
+        threading.Thread(target=self._accept, daemon=True).start()
         self.gen = 0
         self.reform_errors: list[str] = []    # error types of re-formations a loss broke
 
     # ---- processes -------------------------------------------------------------------------
     def spawn(self, node: int) -> Proc:
         log = self.out / f"proc-{len(self.everyone)}-node{node}.log"
-        with open(log, "w") as err:
-            popen = self.nodes[node].popen([sys.executable, "-u", WORKER], env=self.env, stdin=subprocess.PIPE,
-                                           stdout=subprocess.PIPE, stderr=err, text=True)
-        proc = Proc(node, popen, log)
+        if node not in self.zygotes:
+            self.zygotes[node] = Zygote(popen=self.nodes[node].popen, log=self.out / f"zygote-node{node}.log")
+        forked = self.zygotes[node].launch([sys.executable, "-u", WORKER], self.env, log, "/",
+                                           sock=self.sock_path, wait=False)
+        proc = Proc(node, forked, log)
         threading.Thread(target=self._pump, args=(proc,), daemon=True).start()
         self.everyone.append(proc)
         return proc
 
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return                    # closed by stop_all
+            ident = b""
+            while not ident.endswith(b"\n"):   # byte by byte: the worker's first event follows at once
+                ident += conn.recv(1) or b"\n"
+            forked = next((z.children[int(ident)] for z in self.zygotes.values()
+                           if ident.strip().isdigit() and int(ident) in z.children), None)
+            if forked is not None:
+                forked.attach(conn)
+            else:                         # a worker that died before it said who it is
+                conn.close()
+
     @staticmethod
     def _pump(proc: Proc) -> None:
+        if not proc.popen.connected.wait(STARTUP_S):
+            proc.events.put({"ev": "exited", "code": None, "why": f"never connected within {STARTUP_S:g} s"})
+            return
         for line in proc.popen.stdout:
             try:
                 ev = json.loads(line)
@@ -98,7 +133,11 @@ class Cluster:
                 proc.events.put(ev)
             except ValueError:
                 pass                      # stray output (a library's print), not an event
-        proc.events.put({"ev": "exited", "code": proc.popen.wait()})
+        try:
+            code = proc.popen.wait(timeout=ANSWER_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        proc.events.put({"ev": "exited", "code": code})
 
     def refill_spares(self) -> None:
         for node, spares in self.spares.items():
@@ -123,7 +162,8 @@ class Cluster:
 
     def stop_all(self) -> None:
         for p in self.everyone:
-            if p.popen.poll() is None:
+            p.popen.started.wait(10)          # a fork asked for just now: learn its pid
+            if p.popen.poll() is None and p.popen.pid is not None:
                 p.signal(signal.SIGCONT)
                 p.popen.kill()
         for p in self.everyone:
@@ -131,6 +171,10 @@ class Cluster:
                 p.popen.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+        for zygote in self.zygotes.values():  # its workers would follow it (PR_SET_PDEATHSIG)
+            zygote.close()
+        self.listener.close()
+        shutil.rmtree(self.sock_dir, ignore_errors=True)
 
     # ---- membership ------------------------------------------------------------------------
     @property

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpct.demo.agent import Job, free_port_block
+from hpct.demo.agent import free_port_block
+from util import forked_job
 from util import same
 
 # serial: the profile measured it filling both cores or timing itself (ci/test.sh)
@@ -34,7 +35,7 @@ def run(tmp: Path, backend: str, order) -> tuple[list[dict], int]:
     out.mkdir()
     base = free_port_block(SLOTS * WORLD)
     argv = [sys.executable, str(WORKER), backend, str(out), str(tmp / "filestore")]
-    j = Job(argv, WORLD, base, out, time.monotonic() + 120,
+    j = forked_job(argv, WORLD, base, out, time.monotonic() + 120,
             env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(MASTER_PORT),
                  "HPCT_CONNECT_TIMEOUT": "60"})
     with j:
@@ -117,7 +118,7 @@ def test_abort_is_bounded_with_op_in_flight_and_stopped_peer(tmp_path):
     import os
     import signal
     argv = [sys.executable, str(WORKER), "abort", str(tmp_path)]
-    j = Job(argv, 3, free_port_block(SLOTS * 3), tmp_path, time.monotonic() + 90,
+    j = forked_job(argv, 3, free_port_block(SLOTS * 3), tmp_path, time.monotonic() + 90,
             env={"HPCT_CONNECT_TIMEOUT": "60"})
     with j:
         j.start_all()
@@ -144,7 +145,7 @@ def test_documented_torch_form_and_groups_beyond_port_slots(tmp_path):
     import json
     argv = [sys.executable, str(WORKER), "torchform", str(tmp_path)]
     base = free_port_block(2 * WORLD)
-    j = Job(argv, WORLD, base, tmp_path, time.monotonic() + 90,
+    j = forked_job(argv, WORLD, base, tmp_path, time.monotonic() + 90,
             env={"HPCT_CONNECT_TIMEOUT": "60", "HPCT_PORT_SLOTS": "2", "TORCH_DIST_INIT_BARRIER": "1"})
     with j:
         j.start_all(order=[3, 2, 1, 0])

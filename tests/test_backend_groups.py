@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hpct.demo.agent import Job, free_port_block
+from hpct.demo.agent import free_port_block
+from util import forked_job
 
 # serial: the profile measured it filling both cores or timing itself (ci/test.sh)
 pytestmark = [pytest.mark.multiprocess, pytest.mark.serial]
@@ -23,7 +24,7 @@ SLOTS = 2        # HPCT_PORT_SLOTS: no cap on hpct groups any more, whatever it 
 
 def run(tmp: Path, scenario: str, world: int, limit_s: float = 150) -> tuple[list[dict], int]:
     base = free_port_block(SLOTS * world)
-    j = Job([sys.executable, str(WORKER), scenario, str(tmp)], world, base, tmp,
+    j = forked_job([sys.executable, str(WORKER), scenario, str(tmp)], world, base, tmp,
             time.monotonic() + limit_s, env={"HPCT_CONNECT_TIMEOUT": "60", "HPCT_PORT_SLOTS": str(SLOTS)})
     with j:
         j.start_all()

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpct.demo.agent import Job, free_port_block
+from hpct.demo.agent import free_port_block
+from util import forked_job
 from util import same
 
 # serial: the profile measured it filling both cores or timing itself (ci/test.sh)
@@ -187,7 +188,7 @@ def run(tmp: Path, backend: str, world: int) -> list[dict]:
     script.write_text(RANK)
     argv = [sys.executable, str(script), backend, str(out), str(tmp / f"{backend}-store"),
             str(OP_TIMEOUT_S)]
-    job = Job(argv, world, free_port_block(8 * world), out, time.monotonic() + 150,
+    job = forked_job(argv, world, free_port_block(8 * world), out, time.monotonic() + 150,
               env={"HPCT_CONNECT_TIMEOUT": "60"})
     with job:
         job.start_all()

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from hpct.demo.agent import Job, free_port_block
+from hpct.demo.agent import free_port_block
+from util import forked_job
 
 # serial: the profile measured it filling both cores or timing itself (ci/test.sh)
 pytestmark = [pytest.mark.multiprocess, pytest.mark.serial]
@@ -31,7 +32,7 @@ WORKER = Path(__file__).with_name("semantics_worker.py")
 @pytest.fixture(scope="module")
 def res(tmp_path_factory):
     out = tmp_path_factory.mktemp("semantics")
-    j = Job([sys.executable, str(WORKER), str(out)], WORLD, free_port_block(SLOTS * WORLD), out,
+    j = forked_job([sys.executable, str(WORKER), str(out)], WORLD, free_port_block(SLOTS * WORLD), out,
             time.monotonic() + 150, env={"HPCT_PORT_SLOTS": str(SLOTS), "HPCT_CONNECT_TIMEOUT": "30"})
     with j:
         j.start_all()

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from hpct.demo.agent import Job, free_port_block
+from hpct.demo.agent import free_port_block
+from util import forked_job
 
 # serial: the profile measured it filling both cores or timing itself (ci/test.sh)
 pytestmark = [pytest.mark.multiprocess, pytest.mark.serial]
@@ -37,7 +38,7 @@ WORKER = Path(__file__).with_name("deadline_worker.py")
 def run(tmp_path: Path, scenario: str, victim: str) -> dict[int, list[dict]]:
     """Run WORLD ranks of SCENARIO with the victim 'missing' or 'stopped'; rank -> records."""
     env = {"HPCT_CONNECT_TIMEOUT": str(CONNECT_S), "DEADLINE_OP_TIMEOUT": str(OP_S)}
-    j = Job([sys.executable, str(WORKER), str(tmp_path), scenario], WORLD, free_port_block(8 * WORLD),
+    j = forked_job([sys.executable, str(WORKER), str(tmp_path), scenario], WORLD, free_port_block(8 * WORLD),
             tmp_path, time.monotonic() + 90, env=env)
     with j:
         ranks = range(VICTIM) if victim == "missing" else range(WORLD)
@@ -103,7 +104,7 @@ def test_recovery_fails_within_the_connect_deadline_when_a_member_stops_inside_i
     the group's formation count: each of its waits takes what is left of the connect deadline
     (each once took the whole deadline + 2 s: 5.07 s at HPCT_CONNECT_TIMEOUT=3)."""
     env = {"HPCT_CONNECT_TIMEOUT": str(CONNECT_S), "DEADLINE_OP_TIMEOUT": str(OP_S)}
-    j = Job([sys.executable, str(WORKER), str(tmp_path), "recover_stopped_inside"], WORLD,
+    j = forked_job([sys.executable, str(WORKER), str(tmp_path), "recover_stopped_inside"], WORLD,
             free_port_block(8 * WORLD), tmp_path, time.monotonic() + 90, env=env)
     stopper = VICTIM - 1
     with j:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpct.demo.agent import Job, free_port_block
+from hpct.demo.agent import free_port_block
+from util import forked_job
 
 # serial: the profile measured it filling both cores or timing itself (ci/test.sh)
 pytestmark = pytest.mark.serial
@@ -20,7 +21,7 @@ WORKER = Path(__file__).with_name("diloco_worker.py")
 
 
 def run(tmp_path: Path, scenario: str, world: int) -> list[dict]:
-    j = Job([sys.executable, str(WORKER), str(tmp_path), scenario], world, free_port_block(8 * world),
+    j = forked_job([sys.executable, str(WORKER), str(tmp_path), scenario], world, free_port_block(8 * world),
             tmp_path, time.monotonic() + 120)
     with j:
         j.start_all()

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpct.demo.agent import Job, free_port_block
+from hpct.demo.agent import free_port_block
+from util import forked_job
 from util import REPO
 
 # serial: the profile measured it filling both cores or timing itself (ci/test.sh)
@@ -31,7 +32,7 @@ DEADLINE = 120.0
 def run(out: Path, world: int, *args: str) -> list[dict]:
     import sys
     out.mkdir(parents=True, exist_ok=True)
-    job = Job([sys.executable, str(WORKER), *args], world, free_port_block(8 * 4), out,
+    job = forked_job([sys.executable, str(WORKER), *args], world, free_port_block(8 * 4), out,
               time.monotonic() + DEADLINE, env={"HPCT_CONNECT_TIMEOUT": "30"})
     with job:
         job.start_all()

@@ -199,11 +199,12 @@ def test_a_rank_that_shuts_down_fails_no_peer(tmp_path):
     rank 2."""
     import json
     import sys
-    from hpct.demo.agent import Job, free_port_block
+    from hpct.demo.agent import free_port_block
+    from util import forked_job
     world = 3
     script = tmp_path / "leaver.py"
     script.write_text(LEAVER_RANK)
-    job = Job([sys.executable, str(script), str(tmp_path)], world, free_port_block(8 * world),
+    job = forked_job([sys.executable, str(script), str(tmp_path)], world, free_port_block(8 * world),
               tmp_path, time.monotonic() + 90, env={"HPCT_CONNECT_TIMEOUT": "30"})
     with job:
         job.start_all()

@@ -143,9 +143,10 @@ def _group_sum(tmp, size: int, env: dict) -> str:
     import json
     import sys
     import time
-    from hpct.demo.agent import Job, free_port_block
+    from hpct.demo.agent import free_port_block
+    from util import forked_job
     tmp.mkdir()
-    job = Job([sys.executable, "-c", GROUP_SCRIPT, str(tmp)], size, free_port_block(2 * size), tmp,
+    job = forked_job([sys.executable, "-c", GROUP_SCRIPT, str(tmp)], size, free_port_block(2 * size), tmp,
               time.monotonic() + 120, env=dict(env, HPCT_CONNECT_TIMEOUT="60", HPCT_PORT_SLOTS="1"))
     with job:
         job.start_all()

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from hpct.demo.agent import Job, free_port_block, trainer_argv
+from util import forked_job
 from util import REPO
 
 pytestmark = [pytest.mark.nccl_sim, pytest.mark.multiprocess]
@@ -35,7 +36,7 @@ def job(out: Path, n: int, *args: str, sim: bool = True) -> Job:
     if sim:
         argv = [sys.executable, str(SIM_RUN), *argv[1:]]      # python nccl_sim_run.py -m hpct.demo.trainer ...
     env = {"HPCT_CONNECT_TIMEOUT": "30", "SIM_NCCL_REPORT": str(out)} if sim else {"HPCT_CONNECT_TIMEOUT": "30"}
-    return Job(argv, n, free_port_block(16 * n), out, time.monotonic() + DEADLINE, env=env)
+    return forked_job(argv, n, free_port_block(16 * n), out, time.monotonic() + DEADLINE, env=env)
 
 
 def params(out: Path, n: int) -> list[dict]:

@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from hpct.demo.agent import Job, free_port_block
+from hpct.demo.agent import free_port_block
+from util import forked_job
 from util import REPO
 
 # serial: the profile measured it filling both cores or timing itself (ci/test.sh)
@@ -32,7 +33,7 @@ def res(request, tmp_path_factory) -> list[dict]:
     simulated library (tests/nccl_sim), so a reconfigure also rebuilds the NCCL engine."""
     out = tmp_path_factory.mktemp(f"reconfigure-{request.param}")
     argv = [str(WORKER)] if request.param == "gloo" else [str(SIM_RUN), "-m", "reconfigure_worker"]
-    job = Job([sys.executable, *argv, str(out), str(out / "store")], 4, free_port_block(8 * 4), out,
+    job = forked_job([sys.executable, *argv, str(out), str(out / "store")], 4, free_port_block(8 * 4), out,
               time.monotonic() + DEADLINE, env={"HPCT_CONNECT_TIMEOUT": "30"})
     with job:
         job.start_all()

@@ -43,16 +43,24 @@ def same(a, b) -> bool:
     return a == b
 
 
+def forked_job(*args, **kwargs):
+    """hpct.demo.agent.Job whose ranks the suite's fork server starts (tests/zygote.py: torch is
+    imported once per pytest process, not once per rank)."""
+    from hpct.demo.agent import Job
+    from zygote import ZYGOTE
+    return Job(*args, launcher=ZYGOTE.launch, **kwargs)
+
+
 def run_rank_script(tmp_path: Path, source: str, args: list[str], world: int, limit_s: float,
                     env: dict | None = None) -> tuple[dict, list[str]]:
     """Write ``source`` as a rank script and run it as ``world`` ranks of an hpct job (the
     local agent: ports from a free block, every process bounded by ``limit_s``); returns
     the exit codes by rank and each rank's output."""
     import time
-    from hpct.demo.agent import Job, free_port_block
+    from hpct.demo.agent import free_port_block
     script = tmp_path / "rank_script.py"
     script.write_text(source)
-    job = Job([sys.executable, str(script), *args], world, free_port_block(8 * world), tmp_path,
+    job = forked_job([sys.executable, str(script), *args], world, free_port_block(8 * world), tmp_path,
               time.monotonic() + limit_s, env=env or {})
     with job:
         job.start_all()

@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from ..ports import free_port_block  # noqa: F401  (callers take it from here with Job)
 
@@ -31,6 +32,9 @@ class Job:
     env: dict = field(default_factory=dict)
     procs: dict = field(default_factory=dict)      # rank -> Popen (current)
     history: list = field(default_factory=list)    # every Popen started, with its rank and generation
+    # launcher(argv, env, log, cwd) -> a Popen-like process in a session of its own, output in
+    # log; None: subprocess.Popen.  The test suite passes its fork server (tests/zygote.py).
+    launcher: Callable | None = None
 
     def rank_env(self, rank: int, generation: int) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HPCT_", "TORCH_GLOO", "TORCH_NCCL"))}
@@ -42,11 +46,14 @@ class Job:
         return env
 
     def start(self, rank: int, generation: int = 0, extra: list[str] | None = None) -> subprocess.Popen:
-        log = open(self.out / f"stdout-{rank}-g{generation}.log", "w")
-        p = subprocess.Popen(self.argv + (extra or []), env=self.rank_env(rank, generation),
-                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                             cwd=str(self.out))
-        log.close()
+        log = self.out / f"stdout-{rank}-g{generation}.log"
+        argv, env = self.argv + (extra or []), self.rank_env(rank, generation)
+        if self.launcher is not None:
+            p = self.launcher(argv, env, log, str(self.out))
+        else:
+            with open(log, "w") as out:
+                p = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                     cwd=str(self.out))
         self.procs[rank] = p
         self.history.append((rank, generation, p))
         return p
