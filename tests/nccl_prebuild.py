@@ -13,7 +13,6 @@ fixture builds from scratch and reports what went wrong.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import subprocess
 import sys
@@ -73,25 +72,12 @@ def build_args(version: str) -> tuple[list[str], dict]:
     return ["build", f"nccl={version}", "--funcs", "SendRecv", "--cuda-arch", "80", "--root", str(REPO)], env
 
 
-@contextlib.contextmanager
 def lock(version: str, wait_s: float):
-    """Hold ``version``'s build lock; wait at most ``wait_s`` for a prebuild that holds it."""
-    LOCKS.mkdir(parents=True, exist_ok=True)
-    with open(LOCKS / f"nccl-{version}-build.lock", "a") as f:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the NCCL {version} prebuild still holds {f.name} after {wait_s:.0f} s "
-                                       "(its log: build/nccl-prebuild.log)") from None
-                time.sleep(2)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    """Hold ``version``'s build lock (hpct-build's own kind); wait at most ``wait_s`` for a prebuild
+    that holds it."""
+    from hpct.builder.locks import file_lock
+    return file_lock(LOCKS / f"nccl-{version}-build.lock",
+                     f"NCCL {version}'s test build (the prebuild's log: build/nccl-prebuild.log)", wait_s=wait_s)
 
 
 def ensure_built(version: str) -> Path:
