@@ -116,6 +116,27 @@ def test_a_clean_run_exits_0_with_every_pair_measured(clean):
     assert report["settings"]["differences"] == {}
 
 
+@pytest.mark.multihost
+@pytest.mark.multiprocess
+def test_a_clean_run_beside_spinning_processes_names_no_link(hosts):
+    """Hosts too busy to measure (8 spinning processes per core): no healthy link is named (one
+    may be listed as not judged), where 3 of 4 such runs named one before."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(8 * (os.cpu_count() or 1))]
+    try:
+        got = _run(hosts, lambda r: {}, [*ARGS, "--json"])
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait(timeout=10)
+    assert [c for c, _, _ in got] == [0, 0, 0, 0], got
+    report = json.loads(got[0][1])
+    assert report["suspect_links"] == {} and report["suspect_nodes"] == {}, report
+    assert all("too busy to judge" in why for why in report["busy_links"].values()), report["busy_links"]
+    text = report_table(report)
+    assert "verdict: nothing suspect" in text and text.count("not judged: busy CPU") == len(report["busy_links"])
+    assert text.count("; run it again on idle hosts") == len(report["busy_links"]), text
+
+
 @pytest.fixture(scope="module")
 def median(clean):
     """The node-to-node median (MB/s, slower direction) of a clean run on these hosts."""
@@ -278,6 +299,26 @@ def test_a_bad_node_is_named_and_a_bad_link_names_only_itself():
     crawl = dict(links, **{"1-2": {**_row(1, 2, 0.3), "window_ms": 250.0}})
     assert verdict.judge(crawl, 1).suspect_links["1-2"] == [
         "bandwidth 0.3 MB/s in 250 ms is below 0.7 x the median 1000 MB/s (1/3333 of it)"]
+
+
+@pytest.mark.unit
+def test_a_suspect_whose_ends_waited_for_a_cpu_alone_is_not_judged_and_names_no_node():
+    links = {f"{a}-{b}": _row(a, b, 1000.0) for a in range(4) for b in range(a + 1, 4)}
+    window = {"alone": True, "window_ms": 120.0}
+    busy = dict(links, **{k: {**_row(r["a"], r["b"], 300.0), **window, "cpu_wait_ms": 70.0}
+                          for k, r in links.items() if 3 in (r["a"], r["b"])})
+    v = verdict.set_aside_busy(verdict.judge(busy, 1), busy, 1)
+    assert v.suspect_links == {} and v.suspect_nodes == {} and v.clean, v
+    assert set(v.busy_links) == {"0-3", "1-3", "2-3"}
+    assert v.busy_links["0-3"].startswith("measured alone, its ends still waited 70 ms of its 120 ms window "
+                                          "for a CPU (over 25%): the host was too busy to judge it (bandwidth 300")
+    # alone on an idle host, or only measured in a round: still judged
+    idle = dict(busy, **{"0-3": {**busy["0-3"], "cpu_wait_ms": 5.0}})
+    kept = verdict.set_aside_busy(verdict.judge(idle, 1), idle, 1)
+    assert list(kept.suspect_links) == ["0-3"] and set(kept.busy_links) == {"1-3", "2-3"}
+    rounds = dict(busy, **{"1-3": {**busy["1-3"], "alone": False}})
+    assert "1-3" in verdict.set_aside_busy(verdict.judge(rounds, 1), rounds, 1).suspect_links
+    assert verdict.set_aside_busy(verdict.judge(busy, 1), busy, 1, verdict.Thresholds(busy_share=0.9)).suspect_nodes
 
 
 @pytest.mark.unit

@@ -142,6 +142,7 @@ def _measure(ctx, cfg, rank, p, nodes, opts, env, deadline, say, partial) -> dic
                 rows[k] |= {"parallel_bw_MBps": firsts[k], "alone": True}
         judged = verdict.judge(rows, p, opts.thresholds, medians=judged.medians,
                                candidates=set(judged.suspect_links))
+    judged = verdict.set_aside_busy(judged, rows, p, opts.thresholds)
     say("the world's all_reduce and all_gather")
     partial.doing = "measuring the world's all_reduce and all_gather"
     nbytes = links.collective_bytes(opts.sizes, min(map(verdict.slower, rows.values()), default=None))
@@ -166,6 +167,7 @@ def _body(rows, judged, collectives, settings, world, p, partial) -> dict:
         "medians": judged.medians,
         "suspect_links": judged.suspect_links,
         "suspect_nodes": {str(n): why for n, why in judged.suspect_nodes.items()},
+        "busy_links": judged.busy_links,
         "collectives_MBps": collectives,
         "ring_prediction": verdict.ring_prediction(rows, world, p),
         "settings": {"per_rank": settings, "differences": audit.differences(settings)},

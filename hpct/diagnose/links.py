@@ -30,7 +30,7 @@ from ..distributed import ops
 from ..errors import DiagnoseTimeout, TransportError
 from .schedule import Link
 
-PING, PONG, DATA, ACK, GO, HEAD = 101, 102, 103, 104, 105, 106      # tags, one per message kind
+PING, PONG, DATA, ACK, GO, HEAD, WAIT = 101, 102, 103, 104, 105, 106, 107   # tags, one per message kind
 
 
 @dataclass(frozen=True)
@@ -87,10 +87,11 @@ def cpu_waits() -> dict[str, int]:
     return out
 
 
-def waited(since: dict[str, int]) -> float:
-    """Seconds the longest-waiting thread waited for a CPU since ``since`` (a cpu_waits()):
-    the longest, not the sum, as threads that wait at the same time stall the process once."""
-    return max((n - since.get(tid, 0) for tid, n in cpu_waits().items()), default=0) / 1e9
+def waited(since: dict[str, int], now: dict[str, int] | None = None) -> float:
+    """Seconds the longest-waiting thread waited for a CPU from ``since`` to ``now`` (cpu_waits();
+    ``now`` by default): the longest, not the sum, as threads that wait at once stall the process once."""
+    now = cpu_waits() if now is None else now
+    return max((n - since.get(tid, 0) for tid, n in now.items()), default=0) / 1e9
 
 
 def _word(*values: int) -> torch.Tensor:
@@ -178,16 +179,21 @@ def _recv_stream(ctx, buf, peer, deadline, what, since: float | None = None) -> 
 
 def _latency(ctx, peer, leads: bool, sizes: Sizes, deadline, what) -> float | None:
     """Half the shortest round trip (the leader's), within the ping budget, each less the time
-    the leader waited for a CPU in it (a wake-up on a busy host is not the link's); the
-    follower returns None.  The follower answers at once: it reads nothing in between."""
+    either end waited for a CPU in it (a wake-up on a busy host is not the link's); the
+    follower returns None.  The follower answers at once (it reads nothing in between), then
+    says how long it waited for a CPU since its last answer (a word of nanoseconds, WAIT)."""
     ping = torch.zeros(8, dtype=torch.uint8)
     if not leads:
+        since = cpu_waits()
         while True:
             _recv(ctx, ping, peer, PING, deadline, what)()
             if not _unword(ping)[0]:
                 return None
             _send(ctx, ping, peer, PONG, deadline, what)()
-    pong = torch.zeros(8, dtype=torch.uint8)
+            now = cpu_waits()                  # before the word: the next ping finds it waiting
+            _send(ctx, _word(int(waited(since, now) * 1e9)), peer, WAIT, deadline, what)()
+            since = now
+    pong, theirs = torch.zeros(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
     go = _word(1)
     rtts, t_end = [], time.monotonic() + sizes.ping_window_s
     while len(rtts) < sizes.pings and (len(rtts) < 3 or time.monotonic() < t_end):
@@ -197,7 +203,9 @@ def _latency(ctx, peer, leads: bool, sizes: Sizes, deadline, what) -> float | No
         _send(ctx, go, peer, PING, deadline, what)()
         back()
         rtt = time.perf_counter() - t0
-        rtts.append(max(rtt - waited(since), 0.1 * rtt))
+        mine = waited(since)
+        _recv(ctx, theirs, peer, WAIT, deadline, what)()
+        rtts.append(max(rtt - mine - _unword(theirs)[0] / 1e9, 0.1 * rtt))
     _send(ctx, _word(0), peer, PING, deadline, what)()
     return min(rtts) / 2
 

@@ -51,7 +51,8 @@ def table(report: dict) -> str:
     lines += [header, "-" * len(header)]
     for r in report["links"]:
         key = f"{r['a']}-{r['b']}"
-        mark = "SUSPECT" if key in report["suspect_links"] else "ok"
+        mark = "SUSPECT" if key in report["suspect_links"] else \
+            "not judged: busy CPU" if key in report["busy_links"] else "ok"
         if r.get("alone"):
             mark += f" (alone; {r['parallel_bw_MBps']:.0f} MB/s in its round)"
         lines.append(f"{key:<11} {r['kind']:<5} {r['latency_us']:>10.1f} {r['bw_ab_MBps']:>10.1f} "
@@ -70,8 +71,11 @@ def table(report: dict) -> str:
                      f"{ratio:.2f} x of it: {explained}")
     lines.append("")
     found = suspects(report)
+    rows = {f"{r['a']}-{r['b']}": r for r in report["links"]}
     if report["complete"]:
         lines += found or ["verdict: nothing suspect"]
+        lines += [f"not judged, link {_link_name(report, rows[k])}: {why}; run it again on idle hosts"
+                  for k, why in report["busy_links"].items()]
     else:
         lines += found + ["verdict: none on the links (the diagnosis did not finish; a link below its median "
                           "in a round is judged only once measured alone)"]

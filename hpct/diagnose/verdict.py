@@ -21,6 +21,11 @@ class Thresholds:
     bw_ratio: float = 0.7
     lat_ratio: float = 1.5
     lat_floor_us: float = 50.0
+    # A suspect measured alone whose ends still waited this share of its window for a CPU is not
+    # judged: on hosts that busy the scheduler, not the link, sets the numbers (16 spinning
+    # processes on 2 cores named a healthy link in 3 of 4 clean diagnoses; alone on idle hosts
+    # the ends wait a few percent of the window).
+    busy_share: float = 0.25
 
 
 @dataclass
@@ -28,6 +33,7 @@ class Verdict:
     medians: dict                                   # kind -> {"bw_MBps", "latency_us"}
     suspect_links: dict = field(default_factory=dict)    # key -> [reasons]
     suspect_nodes: dict = field(default_factory=dict)    # node -> "k of n links suspect"
+    busy_links: dict = field(default_factory=dict)       # key -> why it was not judged
 
     @property
     def clean(self) -> bool:
@@ -76,14 +82,33 @@ def judge(rows: dict[str, dict], nproc: int, th: Thresholds = Thresholds(), *,
                        f"{m['latency_us']:.0f} us")
         if why:
             v.suspect_links[key] = why
+    _name_nodes(v, rows, nproc)
+    return v
+
+
+def _name_nodes(v: Verdict, rows: dict[str, dict], nproc: int) -> None:
     nodes: dict[int, list[bool]] = {}
     for key, r in rows.items():
         if r["kind"] == "inter":
             for end in (r["a"], r["b"]):
                 nodes.setdefault(end // nproc, []).append(key in v.suspect_links)
+    v.suspect_nodes = {}
     for node, flags in sorted(nodes.items()):
         if len(flags) >= 2 and sum(flags) * 2 > len(flags):
             v.suspect_nodes[node] = f"{sum(flags)} of its {len(flags)} node-to-node links are suspect"
+
+
+def set_aside_busy(v: Verdict, rows: dict[str, dict], nproc: int, th: Thresholds = Thresholds()) -> Verdict:
+    """The final verdict: a suspect measured alone whose ends waited over ``th.busy_share`` of its
+    window for a CPU moves to ``busy_links`` (not judged), and the nodes are named again without it."""
+    share = th.busy_share
+    for key in list(v.suspect_links):
+        r = rows[key]
+        if r.get("alone") and r.get("cpu_wait_ms", 0.0) > share * r.get("window_ms", float("inf")):
+            v.busy_links[key] = (f"measured alone, its ends still waited {r['cpu_wait_ms']:.0f} ms of its "
+                                 f"{r['window_ms']:.0f} ms window for a CPU (over {share:.0%}): the host was too "
+                                 f"busy to judge it ({'; '.join(v.suspect_links.pop(key))})")
+    _name_nodes(v, rows, nproc)
     return v
 
 
