@@ -114,8 +114,8 @@ class Cluster:
             ident = b""
             while not ident.endswith(b"\n"):   # byte by byte: the worker's first event follows at once
                 ident += conn.recv(1) or b"\n"
-            forked = next((z.children[int(ident)] for z in self.zygotes.values()
-                           if ident.strip().isdigit() and int(ident) in z.children), None)
+            ident = int(ident) if ident.strip().isdigit() else None
+            forked = next((z.children[ident] for z in self.zygotes.values() if ident in z.children), None)
             if forked is not None:
                 forked.attach(conn)
             else:                         # a worker that died before it said who it is

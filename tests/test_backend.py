@@ -36,8 +36,8 @@ def run(tmp: Path, backend: str, order) -> tuple[list[dict], int]:
     base = free_port_block(SLOTS * WORLD)
     argv = [sys.executable, str(WORKER), backend, str(out), str(tmp / "filestore")]
     j = forked_job(argv, WORLD, base, out, time.monotonic() + 120,
-            env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(MASTER_PORT),
-                 "HPCT_CONNECT_TIMEOUT": "60"})
+                   env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(MASTER_PORT),
+                        "HPCT_CONNECT_TIMEOUT": "60"})
     with j:
         j.start_all(order=order[:-1])
         time.sleep(1.5)                       # the last one (rank 0) starts well after the others
@@ -119,7 +119,7 @@ def test_abort_is_bounded_with_op_in_flight_and_stopped_peer(tmp_path):
     import signal
     argv = [sys.executable, str(WORKER), "abort", str(tmp_path)]
     j = forked_job(argv, 3, free_port_block(SLOTS * 3), tmp_path, time.monotonic() + 90,
-            env={"HPCT_CONNECT_TIMEOUT": "60"})
+                   env={"HPCT_CONNECT_TIMEOUT": "60"})
     with j:
         j.start_all()
         for r in range(3):
@@ -146,7 +146,7 @@ def test_documented_torch_form_and_groups_beyond_port_slots(tmp_path):
     argv = [sys.executable, str(WORKER), "torchform", str(tmp_path)]
     base = free_port_block(2 * WORLD)
     j = forked_job(argv, WORLD, base, tmp_path, time.monotonic() + 90,
-            env={"HPCT_CONNECT_TIMEOUT": "60", "HPCT_PORT_SLOTS": "2", "TORCH_DIST_INIT_BARRIER": "1"})
+                   env={"HPCT_CONNECT_TIMEOUT": "60", "HPCT_PORT_SLOTS": "2", "TORCH_DIST_INIT_BARRIER": "1"})
     with j:
         j.start_all(order=[3, 2, 1, 0])
         assert j.wait_all() == {r: 0 for r in range(WORLD)}, [j.output(r) for r in range(WORLD)]

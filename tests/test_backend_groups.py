@@ -25,7 +25,7 @@ SLOTS = 2        # HPCT_PORT_SLOTS: no cap on hpct groups any more, whatever it 
 def run(tmp: Path, scenario: str, world: int, limit_s: float = 150) -> tuple[list[dict], int]:
     base = free_port_block(SLOTS * world)
     j = forked_job([sys.executable, str(WORKER), scenario, str(tmp)], world, base, tmp,
-            time.monotonic() + limit_s, env={"HPCT_CONNECT_TIMEOUT": "60", "HPCT_PORT_SLOTS": str(SLOTS)})
+                   time.monotonic() + limit_s, env={"HPCT_CONNECT_TIMEOUT": "60", "HPCT_PORT_SLOTS": str(SLOTS)})
     with j:
         j.start_all()
         codes = j.wait_all()

@@ -189,7 +189,7 @@ def run(tmp: Path, backend: str, world: int) -> list[dict]:
     argv = [sys.executable, str(script), backend, str(out), str(tmp / f"{backend}-store"),
             str(OP_TIMEOUT_S)]
     job = forked_job(argv, world, free_port_block(8 * world), out, time.monotonic() + 150,
-              env={"HPCT_CONNECT_TIMEOUT": "60"})
+                     env={"HPCT_CONNECT_TIMEOUT": "60"})
     with job:
         job.start_all()
         codes = job.wait_all()

@@ -33,7 +33,7 @@ WORKER = Path(__file__).with_name("semantics_worker.py")
 def res(tmp_path_factory):
     out = tmp_path_factory.mktemp("semantics")
     j = forked_job([sys.executable, str(WORKER), str(out)], WORLD, free_port_block(SLOTS * WORLD), out,
-            time.monotonic() + 150, env={"HPCT_PORT_SLOTS": str(SLOTS), "HPCT_CONNECT_TIMEOUT": "30"})
+                   time.monotonic() + 150, env={"HPCT_PORT_SLOTS": str(SLOTS), "HPCT_CONNECT_TIMEOUT": "30"})
     with j:
         j.start_all()
         codes = j.wait_all()

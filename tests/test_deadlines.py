@@ -39,7 +39,7 @@ def run(tmp_path: Path, scenario: str, victim: str) -> dict[int, list[dict]]:
     """Run WORLD ranks of SCENARIO with the victim 'missing' or 'stopped'; rank -> records."""
     env = {"HPCT_CONNECT_TIMEOUT": str(CONNECT_S), "DEADLINE_OP_TIMEOUT": str(OP_S)}
     j = forked_job([sys.executable, str(WORKER), str(tmp_path), scenario], WORLD, free_port_block(8 * WORLD),
-            tmp_path, time.monotonic() + 90, env=env)
+                   tmp_path, time.monotonic() + 90, env=env)
     with j:
         ranks = range(VICTIM) if victim == "missing" else range(WORLD)
         for r in ranks:
@@ -105,7 +105,7 @@ def test_recovery_fails_within_the_connect_deadline_when_a_member_stops_inside_i
     (each once took the whole deadline + 2 s: 5.07 s at HPCT_CONNECT_TIMEOUT=3)."""
     env = {"HPCT_CONNECT_TIMEOUT": str(CONNECT_S), "DEADLINE_OP_TIMEOUT": str(OP_S)}
     j = forked_job([sys.executable, str(WORKER), str(tmp_path), "recover_stopped_inside"], WORLD,
-            free_port_block(8 * WORLD), tmp_path, time.monotonic() + 90, env=env)
+                   free_port_block(8 * WORLD), tmp_path, time.monotonic() + 90, env=env)
     stopper = VICTIM - 1
     with j:
         j.start_all()

@@ -22,7 +22,7 @@ WORKER = Path(__file__).with_name("diloco_worker.py")
 
 def run(tmp_path: Path, scenario: str, world: int) -> list[dict]:
     j = forked_job([sys.executable, str(WORKER), str(tmp_path), scenario], world, free_port_block(8 * world),
-            tmp_path, time.monotonic() + 120)
+                   tmp_path, time.monotonic() + 120)
     with j:
         j.start_all()
         codes = j.wait_all()

@@ -33,7 +33,7 @@ def run(out: Path, world: int, *args: str) -> list[dict]:
     import sys
     out.mkdir(parents=True, exist_ok=True)
     job = forked_job([sys.executable, str(WORKER), *args], world, free_port_block(8 * 4), out,
-              time.monotonic() + DEADLINE, env={"HPCT_CONNECT_TIMEOUT": "30"})
+                     time.monotonic() + DEADLINE, env={"HPCT_CONNECT_TIMEOUT": "30"})
     with job:
         job.start_all()
         codes = job.wait_all()

@@ -205,7 +205,7 @@ def test_a_rank_that_shuts_down_fails_no_peer(tmp_path):
     script = tmp_path / "leaver.py"
     script.write_text(LEAVER_RANK)
     job = forked_job([sys.executable, str(script), str(tmp_path)], world, free_port_block(8 * world),
-              tmp_path, time.monotonic() + 90, env={"HPCT_CONNECT_TIMEOUT": "30"})
+                     tmp_path, time.monotonic() + 90, env={"HPCT_CONNECT_TIMEOUT": "30"})
     with job:
         job.start_all()
         codes = job.wait_all()

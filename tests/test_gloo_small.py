@@ -147,7 +147,7 @@ def _group_sum(tmp, size: int, env: dict) -> str:
     from util import forked_job
     tmp.mkdir()
     job = forked_job([sys.executable, "-c", GROUP_SCRIPT, str(tmp)], size, free_port_block(2 * size), tmp,
-              time.monotonic() + 120, env=dict(env, HPCT_CONNECT_TIMEOUT="60", HPCT_PORT_SLOTS="1"))
+                     time.monotonic() + 120, env=dict(env, HPCT_CONNECT_TIMEOUT="60", HPCT_PORT_SLOTS="1"))
     with job:
         job.start_all()
         codes = job.wait_all()

@@ -20,7 +20,7 @@ WORKER = Path(__file__).with_name("grow_worker.py")
 def test_two_members_admit_two_joiners_who_take_the_state_and_train(tmp_path):
     # N_PROC_PER_NODE = 4 (the agent's): one node holds the grown world's plan places 0..3.
     j = forked_job([sys.executable, str(WORKER), str(tmp_path)], 4, free_port_block(32), tmp_path,
-            time.monotonic() + 150, env={"HPCT_CONNECT_TIMEOUT": "30"})
+                   time.monotonic() + 150, env={"HPCT_CONNECT_TIMEOUT": "30"})
     with j:
         for r in (0, 1):
             j.start(r, extra=["member"])
@@ -56,7 +56,7 @@ def test_a_joiner_at_a_stale_generation_is_refused_naming_it(tmp_path):
         "pathlib.Path(sys.argv[1], 'up').write_text('')\n"
         "time.sleep(8)\n")
     j = forked_job([sys.executable], 3, free_port_block(24), tmp_path, time.monotonic() + 60,
-            env={"HPCT_CONNECT_TIMEOUT": "4"})
+                   env={"HPCT_CONNECT_TIMEOUT": "4"})
     with j:
         j.start(0, generation=1, extra=[str(member), str(tmp_path)])
         j.start(1, generation=1, extra=[str(member), str(tmp_path)])

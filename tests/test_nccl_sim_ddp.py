@@ -22,8 +22,7 @@ import pytest
 import torch
 
 from hpct.demo.agent import Job, free_port_block, trainer_argv
-from util import forked_job
-from util import REPO
+from util import REPO, forked_job
 
 pytestmark = [pytest.mark.nccl_sim, pytest.mark.multiprocess]
 STEPS, DEADLINE = 8, 150.0

@@ -34,7 +34,7 @@ def res(request, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp(f"reconfigure-{request.param}")
     argv = [str(WORKER)] if request.param == "gloo" else [str(SIM_RUN), "-m", "reconfigure_worker"]
     job = forked_job([sys.executable, *argv, str(out), str(out / "store")], 4, free_port_block(8 * 4), out,
-              time.monotonic() + DEADLINE, env={"HPCT_CONNECT_TIMEOUT": "30"})
+                     time.monotonic() + DEADLINE, env={"HPCT_CONNECT_TIMEOUT": "30"})
     with job:
         job.start_all()
         codes = job.wait_all()

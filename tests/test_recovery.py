@@ -30,7 +30,7 @@ DEADLINE = 150.0   # every process of one job
 def job(out: Path, *args: str, connect_timeout: float = 30.0) -> Job:
     out.mkdir(parents=True, exist_ok=True)
     return forked_job(trainer_argv(out, "--steps", str(STEPS), *args), WORLD, free_port_block(8 * WORLD), out,
-               time.monotonic() + DEADLINE, env={"HPCT_CONNECT_TIMEOUT": str(connect_timeout)})
+                      time.monotonic() + DEADLINE, env={"HPCT_CONNECT_TIMEOUT": str(connect_timeout)})
 
 
 def params(out: Path) -> list[dict]:
@@ -172,7 +172,7 @@ def skew_job(out: Path, mode: str) -> Job:
     import sys
     out.mkdir(parents=True, exist_ok=True)
     return forked_job([sys.executable, str(SKEW_WORKER), str(out), mode], SKEW_WORLD, free_port_block(8 * SKEW_WORLD),
-               out, time.monotonic() + 120, env={"HPCT_CONNECT_TIMEOUT": "2"})
+                      out, time.monotonic() + 120, env={"HPCT_CONNECT_TIMEOUT": "2"})
 
 
 def skew_results(out: Path, j: Job) -> list[dict]:

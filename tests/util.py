@@ -61,7 +61,7 @@ def run_rank_script(tmp_path: Path, source: str, args: list[str], world: int, li
     script = tmp_path / "rank_script.py"
     script.write_text(source)
     job = forked_job([sys.executable, str(script), *args], world, free_port_block(8 * world), tmp_path,
-              time.monotonic() + limit_s, env=env or {})
+                     time.monotonic() + limit_s, env=env or {})
     with job:
         job.start_all()
         codes = job.wait_all()

@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -69,10 +70,10 @@ class Forked:
                 pass
 
     def kill(self) -> None:
-        self.send_signal(9)
+        self.send_signal(signal.SIGKILL)
 
     def terminate(self) -> None:
-        self.send_signal(15)
+        self.send_signal(signal.SIGTERM)
 
 
 class Zygote:
@@ -110,9 +111,9 @@ class Zygote:
             elif ev["ev"] == "exited":
                 child.returncode = ev["code"]
                 child.ended.set()
-        for child in self.children.values():     # the server is gone: so are its children
+        for child in self.children.values():     # the server is gone: PR_SET_PDEATHSIG killed the rest
             if not child.ended.is_set():
-                child.returncode = child.returncode if child.returncode is not None else -9
+                child.returncode = -signal.SIGKILL
                 child.started.set()
                 child.ended.set()
 

@@ -2,9 +2,10 @@
 
 Requests arrive as JSON lines on stdin: {"id", "argv", "env", "log", "cwd", "exec"}, and
 "socket" where the child's stdin and stdout are a Unix socket the caller listens on (the child
-sends its id first; its stderr goes to the log).  For each, the server forks; it reports {"ev": "forked", "id", "pid"} and, once it has reaped the child,
-{"ev": "exited", "id", "code"} (a Popen's returncode: negative for a signal).  It stays
-single-threaded, so a fork copies no lock another thread holds, and it exits at the end of stdin.
+sends its id first; its stderr goes to the log).  For each, the server forks; it reports
+{"ev": "forked", "id", "pid"} and, once it has reaped the child, {"ev": "exited", "id", "code"}
+(a Popen's returncode: negative for a signal).  It stays single-threaded, so a fork copies no
+lock another thread holds, and it exits at the end of stdin.
 """
 
 import ctypes

@@ -23,9 +23,13 @@ def _link_name(report: dict, row: dict) -> str:
     return f"{where(report, row['a'])} <-> {where(report, row['b'])}"
 
 
+def _rows(report: dict) -> dict[str, dict]:
+    return {f"{r['a']}-{r['b']}": r for r in report["links"]}
+
+
 def suspects(report: dict) -> list[str]:
     """One line per finding, as the table's verdict and the exit code count them."""
-    rows = {f"{r['a']}-{r['b']}": r for r in report["links"]}
+    rows = _rows(report)
     out = [f"suspect link {_link_name(report, rows[k])}: {'; '.join(why)}"
            for k, why in report["suspect_links"].items()]
     p = report["nproc_per_node"]
@@ -71,9 +75,9 @@ def table(report: dict) -> str:
                      f"{ratio:.2f} x of it: {explained}")
     lines.append("")
     found = suspects(report)
-    rows = {f"{r['a']}-{r['b']}": r for r in report["links"]}
     if report["complete"]:
         lines += found or ["verdict: nothing suspect"]
+        rows = _rows(report)
         lines += [f"not judged, link {_link_name(report, rows[k])}: {why}; run it again on idle hosts"
                   for k, why in report["busy_links"].items()]
     else:

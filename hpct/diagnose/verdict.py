@@ -101,13 +101,12 @@ def _name_nodes(v: Verdict, rows: dict[str, dict], nproc: int) -> None:
 def set_aside_busy(v: Verdict, rows: dict[str, dict], nproc: int, th: Thresholds = Thresholds()) -> Verdict:
     """The final verdict: a suspect measured alone whose ends waited over ``th.busy_share`` of its
     window for a CPU moves to ``busy_links`` (not judged), and the nodes are named again without it."""
-    share = th.busy_share
     for key in list(v.suspect_links):
-        r = rows[key]
-        if r.get("alone") and r.get("cpu_wait_ms", 0.0) > share * r.get("window_ms", float("inf")):
+        r = rows[key]                 # a row measured alone comes from links.measure: window and waits
+        if r.get("alone") and r["cpu_wait_ms"] > th.busy_share * r["window_ms"]:
             v.busy_links[key] = (f"measured alone, its ends still waited {r['cpu_wait_ms']:.0f} ms of its "
-                                 f"{r['window_ms']:.0f} ms window for a CPU (over {share:.0%}): the host was too "
-                                 f"busy to judge it ({'; '.join(v.suspect_links.pop(key))})")
+                                 f"{r['window_ms']:.0f} ms window for a CPU (over {th.busy_share:.0%}): "
+                                 f"the host was too busy to judge it ({'; '.join(v.suspect_links.pop(key))})")
     _name_nodes(v, rows, nproc)
     return v
 
