@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from util import REPO, run_cli, seed_checkout
+from zygote import children_cpu
 
 
 def pytest_configure(config):
@@ -59,7 +60,7 @@ def pytest_runtest_protocol(item, nextitem):
     that loads the CPU or times itself cannot (ci/summary.py prints the heaviest)."""
     def cpu() -> float:
         own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + children_cpu()
     wall, used = time.monotonic(), cpu()
     yield
     record = {"test": item.nodeid, "wall_s": round(time.monotonic() - wall, 3), "cpu_s": round(cpu() - used, 3),

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from zygote import Zygote
+from zygote import Zygote, children_cpu
 
 pytestmark = pytest.mark.multiprocess
 
@@ -100,3 +100,13 @@ def test_signals_reach_the_rank_and_its_status_says_which(server, tmp_path):
     p.send_signal(signal.SIGCONT)
     os.killpg(p.pid, signal.SIGKILL)                    # its own session, as Job.stop kills it
     assert p.wait(30) == -signal.SIGKILL
+
+
+def test_a_forked_ranks_cpu_reaches_the_suites_profile(server, tmp_path):
+    # pytest's RUSAGE_CHILDREN never sees the server's children: without this count the profile
+    # (tests/conftest.py), from which the tiers are chosen, would call a CPU-bound test idle.
+    before = children_cpu()
+    burn = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass"
+    _, code, log = _run(server, tmp_path, [sys.executable, "-c", burn])
+    assert code == 0, log.read_text()
+    assert children_cpu() - before >= 0.45

@@ -109,6 +109,8 @@ class Zygote:
                 child.pid = ev["pid"]
                 child.started.set()
             elif ev["ev"] == "exited":
+                with _CPU_LOCK:
+                    _CPU[0] += ev.get("cpu", 0.0)
                 child.returncode = ev["code"]
                 child.ended.set()
         for child in self.children.values():     # the server is gone: PR_SET_PDEATHSIG killed the rest
@@ -148,5 +150,12 @@ class Zygote:
                 self.server.wait(timeout=10)
 
 
+def children_cpu() -> float:
+    """CPU seconds of every forked rank that has ended so far, its children's included (the
+    suite's profile, tests/conftest.py, adds them to pytest's own children's)."""
+    return _CPU[0]
+
+
+_CPU, _CPU_LOCK = [0.0], threading.Lock()
 IDS = itertools.count()         # unique across servers: one listening socket may serve several
 ZYGOTE = Zygote()
