@@ -2,9 +2,10 @@
 
 The suite is PyTorch's, unmodified, read from ``$HPCT_NCCL_SOURCES/pytorch/`` (the shared
 sources folder, which .ci/run names; no registry serves PyTorch's tests, and it is never
-copied here).  Its processes are spawned by torch's MultiProcessTestCase, which finds the
-test class again by module and name: so the class lives here, in a plain module on the
-tests' path, and test_fault_tolerance.py only collects it.
+copied here).  Its processes are started by torch's MultiProcessTestCase (here from a fork
+server, see ``_spawn_processes``), which finds the test class again by module and name: so the
+class lives here, in a plain module on the tests' path, and test_fault_tolerance.py only
+collects it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 import hpct.distributed  # noqa: F401 -- registers the hpct backend in every spawned process
@@ -53,6 +55,15 @@ if upstream is not None:
             for k in ENV_UNSET:
                 os.environ.pop(k, None)
             super().setUp()
+
+        def _spawn_processes(self):
+            # The harness spawns each rank: a fresh interpreter importing torch, about 4 CPU-s
+            # for the CUDA build, three ranks per test, on a 2-core machine.  A fork server (a
+            # clean process: not pytest's, which other tests left threads in) imports this
+            # module once and forks every rank from there; the test bodies run unchanged.
+            ctx = torch.multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload([__name__])
+            self._start_processes(ctx.Process)
 
         def tearDown(self):
             super().tearDown()
