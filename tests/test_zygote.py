@@ -110,3 +110,22 @@ def test_a_forked_ranks_cpu_reaches_the_suites_profile(server, tmp_path):
     _, code, log = _run(server, tmp_path, [sys.executable, "-c", burn])
     assert code == 0, log.read_text()
     assert children_cpu() - before >= 0.45
+
+
+def test_a_reaped_servers_ranks_are_counted_once(tmp_path):
+    # Once this process waits for a server, RUSAGE_CHILDREN holds its ranks' CPU: the count
+    # gives theirs back (the churn test closes a server per node, and read 3 CPU-s per second
+    # on 2 cores before).
+    before = children_cpu()
+    z = Zygote()
+    try:
+        burn = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass"
+        _, code, log = _run(z, tmp_path, [sys.executable, "-c", burn])
+        assert code == 0, log.read_text()
+        assert children_cpu() - before >= 0.25
+    finally:
+        z.close()
+    deadline = time.monotonic() + 10
+    while abs(children_cpu() - before) > 1e-6 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert abs(children_cpu() - before) < 1e-6, (before, children_cpu())

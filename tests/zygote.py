@@ -86,6 +86,7 @@ class Zygote:
         self.server: subprocess.Popen | None = None
         self.children: dict[int, Forked] = {}
         self.env: dict = {}
+        self.reported = 0.0          # CPU of this server's ranks in children_cpu()
 
     def _server(self, env: dict) -> subprocess.Popen:
         if self.server is None or self.server.poll() is not None:
@@ -111,8 +112,12 @@ class Zygote:
             elif ev["ev"] == "exited":
                 with _CPU_LOCK:
                     _CPU[0] += ev.get("cpu", 0.0)
+                    self.reported += ev.get("cpu", 0.0)
                 child.returncode = ev["code"]
                 child.ended.set()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.wait(timeout=10)
+        self._reaped(server)
         for child in self.children.values():     # the server is gone: PR_SET_PDEATHSIG killed the rest
             if not child.ended.is_set():
                 child.returncode = -signal.SIGKILL
@@ -140,6 +145,13 @@ class Zygote:
             raise RuntimeError(f"the fork server exited before it forked {argv}")
         return child
 
+    def _reaped(self, server: subprocess.Popen) -> None:
+        """The server was waited for: its ranks' CPU is in RUSAGE_CHILDREN now, not to be counted twice."""
+        if server.returncode is not None:
+            with _CPU_LOCK:
+                _CPU[0] -= self.reported
+                self.reported = 0.0
+
     def close(self) -> None:
         if self.server is not None and self.server.poll() is None:
             self.server.stdin.close()           # it exits; PR_SET_PDEATHSIG takes any child left
@@ -148,11 +160,14 @@ class Zygote:
             except subprocess.TimeoutExpired:
                 self.server.kill()
                 self.server.wait(timeout=10)
+        if self.server is not None:
+            self._reaped(self.server)
 
 
 def children_cpu() -> float:
-    """CPU seconds of every forked rank that has ended so far, its children's included (the
-    suite's profile, tests/conftest.py, adds them to pytest's own children's)."""
+    """CPU seconds of every forked rank that has ended so far, its children's included, while
+    its server is not yet reaped (the suite's profile, tests/conftest.py, adds them to pytest's
+    own children's, which take them over once a server is waited for)."""
     return _CPU[0]
 
 
