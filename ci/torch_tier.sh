@@ -60,8 +60,14 @@ if [ -f "$nccl_prefix/lib/libnccl.so.2" ]; then
   tier_pip install -q "$nccl_wheel" "torch==$version"
   echo "ci/torch_tier.sh: installed $(basename "$nccl_wheel") under torch $version's pin"
 else
+  # The cached environment may hold the drop-in an earlier run put there: NVIDIA's goes back under
+  # torch's pin, so that a run without the build tests what a user of this torch has.
+  if "$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit('+hpct.' not in m.version('nvidia-nccl-cu13'))" 2>/dev/null; then
+    tier_pip uninstall -q -y nvidia-nccl-cu13
+    tier_pip install -q "torch==$version"
+  fi
   echo "ci/torch_tier.sh: no NCCL 2.30.7 build in $nccl_prefix (the slow tier makes it from HPCT_NCCL_SOURCES):" \
-       "torch keeps the nvidia-nccl-cu13 it has; tests/test_torch_nccl.py says so"
+       "torch keeps NVIDIA's nvidia-nccl-cu13; tests/test_torch_nccl.py says so"
 fi
 tier_pip install -q --no-deps --force-reinstall "$wheel"
 echo "ci/torch_tier.sh: $("$venv/bin/python" -P -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "NCCL", ".".join(map(str, torch.cuda.nccl.version())))') with $(basename "$wheel")"
