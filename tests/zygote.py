@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 SERVER = str(Path(__file__).with_name("zygote_server.py"))
@@ -86,7 +87,8 @@ class Zygote:
         self.server: subprocess.Popen | None = None
         self.children: dict[int, Forked] = {}
         self.env: dict = {}
-        self.reported = 0.0          # CPU of this server's ranks in children_cpu()
+        self.reported = 0.0          # CPU of this server's ended ranks, until it is reaped
+        _ALL.add(self)
 
     def _server(self, env: dict) -> subprocess.Popen:
         if self.server is None or self.server.poll() is not None:
@@ -110,9 +112,7 @@ class Zygote:
                 child.pid = ev["pid"]
                 child.started.set()
             elif ev["ev"] == "exited":
-                with _CPU_LOCK:
-                    _CPU[0] += ev.get("cpu", 0.0)
-                    self.reported += ev.get("cpu", 0.0)
+                self.reported += ev.get("cpu", 0.0)     # one events thread per server writes it
                 child.returncode = ev["code"]
                 child.ended.set()
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -148,9 +148,7 @@ class Zygote:
     def _reaped(self, server: subprocess.Popen) -> None:
         """The server was waited for: its ranks' CPU is in RUSAGE_CHILDREN now, not to be counted twice."""
         if server.returncode is not None:
-            with _CPU_LOCK:
-                _CPU[0] -= self.reported
-                self.reported = 0.0
+            self.reported = 0.0
 
     def close(self) -> None:
         if self.server is not None and self.server.poll() is None:
@@ -168,9 +166,9 @@ def children_cpu() -> float:
     """CPU seconds of every forked rank that has ended so far, its children's included, while
     its server is not yet reaped (the suite's profile, tests/conftest.py, adds them to pytest's
     own children's, which take them over once a server is waited for)."""
-    return _CPU[0]
+    return sum(z.reported for z in list(_ALL))
 
 
-_CPU, _CPU_LOCK = [0.0], threading.Lock()
+_ALL: weakref.WeakSet = weakref.WeakSet()
 IDS = itertools.count()         # unique across servers: one listening socket may serve several
 ZYGOTE = Zygote()
