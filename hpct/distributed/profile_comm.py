@@ -4,12 +4,26 @@ DDP hands each gradient bucket to one communication hook.  The profile registers
 that times the user's hook (or the default allreduce) per bucket: when the bucket was
 ready (the hook call) and when its future completed.  The end of backward (DDP has waited
 for every future) closes a step.  Only torch is needed.
+
+The thread that completes a bucket's future (gloo's worker, NCCL's watchdog) runs the
+profile's callable and later drops it, taking the GIL both times.  A thread that asks for
+the GIL after the interpreter began finalizing is ended by pthread_exit, and unwinding
+that through torch's noexcept PythonFunctionGuard destructor aborts the whole process
+("terminate called without an active exception" after the script's last line; the
+mechanism is pybind/pybind11#2215).  DDP does not wait for a done callback, so the last
+step's were often still pending when a script ended.  So every callable is tracked until it
+is dropped, and exit waits for those whose future has completed (:class:`_HeldCallables`).
+Stock gloo's own work objects race the same way (pytorch/pytorch#190489); that is not ours
+to drain.
 """
 
 from __future__ import annotations
 
+import atexit
 import statistics
+import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -23,6 +37,45 @@ _MB = 1 << 20
 _MANY_BUCKETS = 8
 _SMALL_BUCKET_BYTES = 5 * _MB
 _EXPOSED_SHARE = 0.5
+EXIT_WAIT_S = 5.0  # at exit, for completed futures' callables to be dropped: a thread switch, so a bound only
+
+
+class _HeldCallables:
+    """The profile's callables a future still holds, each with that future, until dropped."""
+
+    def __init__(self) -> None:
+        self._held: dict[weakref.ref, Any] = {}
+        self._cv = threading.Condition()  # an RLock: a drop can run inside hold() when gc frees one
+        self._registered = False
+
+    def hold(self, fn: Callable, fut) -> Callable:
+        with self._cv:
+            self._held[weakref.ref(fn, self._dropped)] = fut
+            if not self._registered:
+                atexit.register(self.drain)
+                self._registered = True
+        return fn
+
+    def _dropped(self, ref: weakref.ref) -> None:
+        with self._cv:
+            self._held.pop(ref, None)
+            self._cv.notify_all()
+
+    def count(self) -> int:
+        with self._cv:
+            return len(self._held)
+
+    def drain(self, timeout: float = EXIT_WAIT_S) -> bool:
+        """Wait (GIL released) until no completed future holds a callable of ours.
+
+        A future that never completed (a hung or aborted group) never runs its callbacks,
+        so it is not waited for.
+        """
+        with self._cv:
+            return self._cv.wait_for(lambda: not any(f.done() for f in self._held.values()), timeout)
+
+
+_HELD = _HeldCallables()
 
 
 def _union(intervals: list[tuple[float, float]], lo: float = float("-inf"), hi: float = float("inf")) -> float:
@@ -40,7 +93,9 @@ class CommProfile:
     """Per-step bucket timings of one DDP model; see :func:`profile_comm`."""
 
     def __init__(self, ddp_model, hook: Callable | None, state: Any, enabled: bool) -> None:
-        self._ddp = ddp_model
+        # Weak: DDP's reducer (C++) holds our hook, which gc cannot see through, so a strong
+        # reference back would keep the model, its gradients and its process group alive forever.
+        self._ddp = weakref.ref(ddp_model)
         self._hook = hook
         self._state = state
         self._on = enabled
@@ -57,6 +112,9 @@ class CommProfile:
 
     def comm_hook(self, state, bucket):
         if not self._on:
+            if self._hook is None:
+                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+                return allreduce_hook(state, bucket)
             return self._hook(state, bucket)
         called = time.perf_counter()
         if not self._buckets:
@@ -68,14 +126,37 @@ class CommProfile:
         rec = {"index": bucket.index(), "bytes": buf.numel() * buf.element_size(),
                "tensors": len(bucket.gradients()), "called": called, "launched": 0.0, "done": None}
         self._buckets.append(rec)
+        if self._hook is None:
+            return self._allreduce(state, bucket, rec)
         fut = self._hook(state, bucket)
         rec["launched"] = time.perf_counter()
 
         # A done callback, not a chained future: DDP keeps waiting on the hook's own future,
         # so the profile adds no hop to the critical path.  A bucket whose callback has not
         # run when the step closes is given the step's end (DDP had waited for it by then).
-        fut.add_done_callback(lambda f: rec.__setitem__("done", time.perf_counter()))
+        fut.add_done_callback(_HELD.hold(lambda f: rec.__setitem__("done", time.perf_counter()), fut))
         return fut
+
+    @staticmethod
+    def _allreduce(group, bucket, rec: dict):
+        """allreduce_hook's arithmetic (divide, then sum), stamping the time in its one continuation.
+
+        The stamp runs before the future DDP waits on completes, so every bucket has its
+        time, and it is the only Python callable of the bucket, so the exit wait covers them all.
+        """
+        import torch.distributed as dist
+
+        group = group if group is not None else dist.group.WORLD
+        buf = bucket.buffer()
+        buf.div_(group.size())
+
+        def finish(f):
+            rec["done"] = time.perf_counter()
+            return f.value()[0]
+
+        root = dist.all_reduce(buf, group=group, async_op=True).get_future()
+        rec["launched"] = time.perf_counter()  # before the continuation exists, so done >= launched
+        return root.then(_HELD.hold(finish, root))
 
     def _requeue(self) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(self._close_step)
@@ -144,7 +225,8 @@ class CommProfile:
         out: list[str] = []
         if not s.get("steps"):
             return out
-        cap = getattr(self._ddp, "bucket_bytes_cap", None)
+        ddp = self._ddp()
+        cap = getattr(ddp, "bucket_bytes_cap", None)
         if s["bucket_count"] > _MANY_BUCKETS and s["bucket_bytes_median"] < _SMALL_BUCKET_BYTES:
             now = f" (now {cap / _MB:.3g} MB)" if cap else ""
             out.append(f"raise bucket_cap_mb{now}: {s['bucket_count']:.0f} buckets per step with a median of "
@@ -153,10 +235,10 @@ class CommProfile:
         if s["comm_s"] > 0 and s["exposed_share"] > _EXPOSED_SHARE:
             why = (f"{s['exposed_share']:.0%} of communication ({s['exposed_s'] * 1e3:.2f} of "
                    f"{s['comm_s'] * 1e3:.2f} ms) runs after the last gradient is ready, where nothing overlaps it")
-            if not getattr(self._ddp, "gradient_as_bucket_view", True):
+            if not getattr(ddp, "gradient_as_bucket_view", True):
                 out.append(f"set gradient_as_bucket_view=True: {why}; gradients written straight into the "
                            "buckets skip a copy per bucket, so buckets are ready and launched sooner")
-            if not getattr(self._ddp, "static_graph", True):
+            if not getattr(ddp, "static_graph", True):
                 out.append(f"set static_graph=True (if the graph does not change between steps): {why}; DDP then "
                            "skips its per-step graph bookkeeping and can launch buckets in the learned order")
         return out
@@ -198,11 +280,9 @@ def profile_comm(ddp_model, *, hook: Callable | None = None, state: Any = None, 
                                 fix="do not call register_comm_hook; pass it as profile_comm(model, hook=..., state=...)")
     plain = hook is None
     if plain:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-        hook = allreduce_hook
-        # allreduce_hook treats a None state as the default group; DDP's own group is the right one.
+        # The default allreduce treats a None state as the default group; DDP's own group is the right one.
         state = ddp_model.process_group if state is None else state
-    if not callable(hook):
+    elif not callable(hook):
         raise HpctArgumentError(f"hook must be callable, got {type(hook).__name__}",
                                 fix="pass a function hook(state, bucket) -> torch.futures.Future")
     prof = CommProfile(ddp_model, hook, state, enabled)
