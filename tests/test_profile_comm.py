@@ -300,5 +300,50 @@ def test_exit_does_not_wait_for_a_future_that_never_completes():
     assert held.count() == 0 and held.drain(timeout=0)
 
 
+def _exit_check(store_path: str) -> None:
+    """A one-rank job that just ends, as a user's script does, and reports after the exit drain."""
+    import atexit
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import importlib
+
+    pc = importlib.import_module("hpct.distributed.profile_comm")  # the module; the package exports the function
+
+    def report():
+        held = list(pc._HELD._held.values())
+        print(json.dumps({"held": len(held), "held_done": sum(f.done() for f in held)}), flush=True)
+
+    atexit.register(report)   # before the profile registers its drain, so it runs after it
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 1), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    for hook in (None, default_hooks.fp16_compress_hook):
+        torch.manual_seed(0)
+        m = DDP(torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(8)]), bucket_cap_mb=0.01)
+        pc.profile_comm(m, hook=hook)
+        for _ in range(3):
+            m(torch.randn(4, WIDTH)).sum().backward()
+    print(json.dumps({"at_end": pc._HELD.count()}), flush=True)
+
+
+@pytest.mark.unit
+def test_a_script_that_just_ends_leaves_no_callable_held(tmp_path):
+    # The real path the test above plays with a Python thread: torch's C++ side drops every
+    # callable it was given once its future completed, and exit waits for that.
+    proc = subprocess.run([sys.executable, "-P", __file__, "exit-check", str(tmp_path / "store")],
+                          capture_output=True, text=True, timeout=120, cwd="/",
+                          env=dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines[-1] == {"held": 0, "held_done": 0}, proc.stdout
+
+
 if __name__ == "__main__":
-    _main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    if sys.argv[1] == "exit-check":
+        _exit_check(sys.argv[2])
+    else:
+        _main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
