@@ -254,7 +254,7 @@ def test_profiled_models_are_freed(results):
 
 # The exit wait, with a Python thread playing the communication thread that holds the callable
 # (in torch it is the C++ thread that completed the future).  What only the real race shows
-# (an abort at exit under load, about 1 run in 10 before) is measured by looping the worker pair.
+# (an abort at exit under load: 4 runs in 69 before) is measured by looping the worker pair.
 @pytest.mark.unit
 def test_exit_waits_for_a_completed_futures_callable():
     import threading
@@ -304,13 +304,12 @@ def _exit_check(store_path: str) -> None:
     """A one-rank job that just ends, as a user's script does, and reports after the exit drain."""
     import atexit
     import datetime
+    import importlib
 
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import importlib
 
     pc = importlib.import_module("hpct.distributed.profile_comm")  # the module; the package exports the function
 
@@ -327,7 +326,6 @@ def _exit_check(store_path: str) -> None:
         pc.profile_comm(m, hook=hook)
         for _ in range(3):
             m(torch.randn(4, WIDTH)).sum().backward()
-    print(json.dumps({"at_end": pc._HELD.count()}), flush=True)
 
 
 @pytest.mark.unit
@@ -339,7 +337,7 @@ def test_a_script_that_just_ends_leaves_no_callable_held(tmp_path):
                           env=dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert lines[-1] == {"held": 0, "held_done": 0}, proc.stdout
+    assert lines == [{"held": 0, "held_done": 0}], proc.stdout
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import weakref
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from hpct.errors import HpctArgumentError
 
@@ -112,10 +113,7 @@ class CommProfile:
 
     def comm_hook(self, state, bucket):
         if not self._on:
-            if self._hook is None:
-                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-                return allreduce_hook(state, bucket)
-            return self._hook(state, bucket)
+            return self._allreduce(state, bucket, {}) if self._hook is None else self._hook(state, bucket)
         called = time.perf_counter()
         if not self._buckets:
             self._t0 = self._fwd_start if self._fwd_start is not None else called
@@ -144,8 +142,6 @@ class CommProfile:
         The stamp runs before the future DDP waits on completes, so every bucket has its
         time, and it is the only Python callable of the bucket, so the exit wait covers them all.
         """
-        import torch.distributed as dist
-
         group = group if group is not None else dist.group.WORLD
         buf = bucket.buffer()
         buf.div_(group.size())
