@@ -1,6 +1,7 @@
 """The agents' view rules in process, no network: a spare takes a lost node's slot, the
 majority counts only the last view's survivors, equal-generation conflicts resolve the same way
-on both sides, a dropped node comes back only after it is heard again, and idle agents follow.
+on both sides, a dropped node comes back only after it is heard again, idle agents follow, and a
+worker that never comes to re-form after a move that broke its world is taken for hung.
 Two or three agents here are plain objects whose pushes are delivered by hand (the wire and
 the timing are tests/test_launch_recovery.py's)."""
 
@@ -13,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from hpct.launch.membership import Membership
+from hpct.launch.workers import no_shows
 
 pytestmark = pytest.mark.unit
 
@@ -38,12 +40,13 @@ class Agent(Membership):
         self.seen = {n: time.monotonic() for n in range(nnodes + spares)}
         self.end = self.signalled = None
         self.pushed: list[dict] = []
+        self.moves: list[tuple[int, bool]] = []     # (generation, grow) per view move
 
     def _tell_peers(self, message, to=None) -> None:
         self.pushed.append(message)
 
-    def _view_moved(self, generation: int) -> None:
-        pass
+    def _view_moved(self, generation: int, grow: bool) -> None:
+        self.moves.append((generation, grow))
 
     def world(self) -> list[int]:
         return self._world()[0]
@@ -164,3 +167,67 @@ def test_a_second_hello_from_a_member_is_a_restarted_agent_and_a_stranger_ends_o
     a.workers = {}                                # at start the whole job is refused
     assert a._hello({"node": 0, **a._identity()})["error"].startswith("two agents claim node rank 0")
     assert a.end is not None and a.end.message.startswith("refused at start: two agents claim node rank 0")
+
+
+def test_only_a_grow_leaves_the_members_world_whole():
+    """agent.py waits for every member to re-form after a move that broke their world, and takes
+    one that never comes for hung; a grow is taken at a step boundary, so nobody is waited for."""
+    lead = Agent(0, spares=2)
+    lead._drop([2], [])                                 # the spare 3 takes node 2's slot
+    with lead.cond:
+        lead._move(lead.generation + 1, lead.nodes, "1 worker(s) lost on node 0")
+    lead.seen[4] = time.monotonic() - 60                # the second spare is silent: a shrink
+    lead._drop([1], [])
+    lead.seen[1] = time.monotonic()                     # node 1's agent came back: idle
+    lead._take_idle()
+    assert lead.nodes == [0, 3, 1]
+    assert lead.moves == [(1, False), (2, False), (3, False), (4, True)]
+    other = Agent(1, spares=2)
+    other._merge(1, [0, 1], sender=0)                   # a peer's shrink, then the peer's grow
+    other._merge(2, [0, 1, 4], sender=0)
+    assert other.moves == [(1, False), (2, True)]
+
+
+def test_a_joined_worker_tells_its_generation_and_op_timeout():
+    a = Agent(0)
+    w = SimpleNamespace(proc=SimpleNamespace(pid=41), place=0, generation=0, joined=False, formed=-1,
+                        op_timeout=None)
+    a.workers = {0: w}
+    assert a.handle({"op": "joined", "place": 0, "generation": 3, "pid": 41, "op_timeout": 7.5}) == {"ok": True}
+    assert (w.joined, w.formed, w.op_timeout) == (True, 3, 7.5)
+    a.handle({"op": "joined", "place": 0, "generation": 2, "pid": 41})   # late, and from an older build
+    assert (w.formed, w.op_timeout) == (3, 7.5), "a late report moves nothing back"
+
+
+
+class Proc:
+    def __init__(self, alive: bool = True) -> None:
+        self.alive = alive
+
+    def poll(self):
+        return None if self.alive else -9
+
+
+def worker(**fields) -> SimpleNamespace:
+    """A worker whose world formed in generation 1, op timeout 10 s, last heard at t=100."""
+    return SimpleNamespace(**{"joined": True, "reaped": False, "formed": 1, "watched": 100.0, "op_timeout": 10.0,
+                              "proc": Proc(), **fields})
+
+
+def test_a_worker_silent_past_its_op_timeout_after_a_breaking_move_is_a_no_show():
+    hung = worker()
+    assert no_shows([hung], 2, broke_at=105.0, now=115.5, default_s=300.0) == [hung]
+    assert no_shows([hung], 2, broke_at=105.0, now=114.5, default_s=300.0) == [], "within its op timeout"
+    assert no_shows([worker(op_timeout=None)], 2, broke_at=105.0, now=115.5, default_s=300.0) == [], \
+        "an unknown op timeout waits the connect deadline"
+    assert no_shows([worker(op_timeout=None)], 2, 105.0, now=406.0, default_s=300.0) != []
+
+
+def test_a_worker_that_asked_re_formed_is_new_dead_or_reaped_is_not_a_no_show():
+    late = dict(broke_at=105.0, now=200.0, default_s=300.0)
+    assert no_shows([worker(watched=106.0)], 2, **late) == [], "asked the agent after the move: it comes"
+    assert no_shows([worker(formed=2)], 2, **late) == [], "its world formed in the newest generation"
+    assert no_shows([worker(joined=False)], 2, **late) == [], "a replacement not joined yet: the stale rules"
+    assert no_shows([worker(proc=Proc(alive=False))], 2, **late) == [], "gone: the loss path has it"
+    assert no_shows([worker(reaped=True)], 2, **late) == [], "killed once already"
+    assert no_shows([worker()], 2, broke_at=None, now=200.0, default_s=300.0) == [], "only grows since start"

@@ -259,6 +259,38 @@ def test_a_node_that_comes_back_joins_by_grow(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_a_hung_worker_is_killed_when_its_peers_re_form_and_a_replacement_takes_its_rank(tmp_path):
+    """A worker stopped for good (SIGSTOP: a hang that never ends) fails its peers' next collective
+    at the op timeout; they re-form, and it never comes.  Before: the peers waited for it until
+    HPCT_CONNECT_TIMEOUT (300 s), raised RendezvousError and were restarted into the same wait,
+    while the stopped worker never exited: the job stalled, then ended.  Now its agent kills it
+    one op timeout after the move, the loss path replaces it, and the run ends bit-identical."""
+    expect = stock_digest(tmp_path, 3)
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["--nproc-per-node", "3", "--standby", "1", "--node-grace", "1",
+            "--port-base", str(free_port_block(2 * 8 * 3 + 2)),
+            EXAMPLE, *STEPS, "--op-timeout", "3", "--out", str(out)]
+    with Agents(tmp_path, args) as agents:
+        agents.start()
+        agents.wait_event(0, "standby", 120)
+        wait_progress(agents, out, 1, 10)
+        hung = agents.worker_pid(0, 1)
+        os.kill(hung, signal.SIGSTOP)
+        try:
+            assert agents.wait(LIMIT_S) == [0], agents.output(0)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(hung, signal.SIGKILL)
+    check_replaced(agents, out, 1, 3, expect)
+    [no_show] = agents.events(0, "no-show")
+    assert no_show["rank"] == 1 and no_show["pid"] == hung and no_show["formed"] == 0, no_show
+    assert "past its op timeout (3 s); taken for hung (stopped or deadlocked)" in no_show["message"]
+    lost = [e for e in agents.events(0, "worker-lost") if e["pid"] == hung]
+    assert lost and lost[0]["code"] == -signal.SIGKILL
+
+
+@pytest.mark.multiprocess
 def test_a_recovery_overtaken_by_a_newer_view_meets_the_others_there(tmp_path):
     """The replacement is lost while the survivors connect the world that waits for it: the agent
     moves the view on and starts another.  Before: the survivors' recover() kept connecting the

@@ -9,7 +9,8 @@ must give way to it.
 ``peek`` is the same question without waiting or moving anything: the world of the agent's
 newest generation (``membership_changed()`` asks it at step boundaries, to see a
 grow).  ``report_joined`` tells the agent that this worker's world formed, so a later non-zero
-exit counts against ``--max-restarts`` instead of ending the job as a worker that cannot start.
+exit counts against ``--max-restarts`` instead of ending the job as a worker that cannot start,
+and its op timeout: how long the agent waits for it at a re-form before taking it for hung.
 """
 
 from __future__ import annotations
@@ -58,11 +59,13 @@ def _ask(cfg: Config, place: int, request: dict, who: str, timeout: float | None
     return reply
 
 
-def report_joined(cfg: Config, place: int, generation: int) -> None:
+def report_joined(cfg: Config, place: int, generation: int, op_timeout_s: float) -> None:
+    # The op timeout bounds how long the agent waits for this worker to come to a re-form
+    # before it takes it for hung (agent.py's no-shows).
     host, port = _address(cfg, place)
     try:
-        wire.ask(host, port, {"op": "joined", "place": place, "generation": generation, "pid": os.getpid()},
-                 2.0)
+        wire.ask(host, port, {"op": "joined", "place": place, "generation": generation, "pid": os.getpid(),
+                              "op_timeout": op_timeout_s}, 2.0)
     except wire.WireError:
         pass            # no agent to tell (it is going away): nothing depends on the answer
 

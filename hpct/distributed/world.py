@@ -237,7 +237,7 @@ def _create(dist_opts, backend_options=None):
                 _state.rank, _state.world_size = global_ranks[group_rank], group_size
                 _state.timeout = dist_opts.timeout
     if is_world and cfg.agent_port is not None:
-        agent_link.report_joined(cfg, plan_rank(global_ranks[group_rank]), gen)
+        agent_link.report_joined(cfg, plan_rank(global_ranks[group_rank]), gen, timeout)
     return pg
 
 

@@ -27,7 +27,7 @@ from . import wire
 from .events import EventLog
 from .membership import ASK_TIMEOUT_S, JobEnd, Membership
 from .options import STOP_GRACE_S, RunOptions
-from .workers import Pool, Worker, stop, tail
+from .workers import Pool, Worker, no_shows, stop, tail
 
 POLL_S = 0.02                 # worker exits are noticed within this
 FOLLOWS_S = 1.0               # a worker that asked about the view this recently follows a newer one itself
@@ -55,6 +55,7 @@ class NodeAgent(Membership):
         self.leaving: dict[int, float] = {}
         self.workers: dict[int, Worker] = {}
         self.restarts: dict[int, int] = {}
+        self.broke_at: float | None = None       # the last view move that broke the members' world
         self.end: JobEnd | None = None
         self.signalled: int | None = None
         self.base_env = self._base_env(env)
@@ -143,10 +144,12 @@ class NodeAgent(Membership):
     def _on_signal(self, signum, frame) -> None:
         self.signalled = signum
 
-    def _view_moved(self, generation: int) -> None:
+    def _view_moved(self, generation: int, grow: bool) -> None:
         if self.active and self.node not in self.nodes:
             self.left_view = True        # even if taken back at once: its workers' world is gone
         now = time.monotonic()
+        if not grow:
+            self.broke_at = now
         for w in self.workers.values():      # a replacement that has not joined yet would be stale
             if (0 < w.generation < generation and not w.joined and w.proc.poll() is None
                     and now - w.watched > FOLLOWS_S):
@@ -239,6 +242,7 @@ class NodeAgent(Membership):
                 lost.append((local, w, code))
             if lost:
                 self._replace(lost)
+            self._reap_no_shows()
             self.pool.fill()                  # standbys that died are reported and replaced (backoff)
             if not self.workers:
                 self._tell_peers({"op": "leave", "node": self.node, "reason": "done"}, self._contacts())
@@ -264,6 +268,25 @@ class NodeAgent(Membership):
             self._move(self.generation + 1, self.nodes, f"{len(lost)} worker(s) lost on node {self.node}")
         for local, w, code in lost:
             self._start(local, self.restarts.get(local, 0))
+
+    def _reap_no_shows(self) -> None:
+        """Kill the workers that did not come to re-form (workers.no_shows): their exit is a loss,
+        and the loss path replaces them."""
+        with self.cond:
+            gen, broke_at = self.generation, self.broke_at
+        now = time.monotonic()
+        for w in no_shows(self.workers.values(), gen, broke_at, now, self.cfg.connect_timeout):
+            w.reaped = True
+            self.events.emit("no-show", f"rank {w.rank} pid {w.proc.pid} did not come to re-form in generation "
+                             f"{gen}: its world formed in {w.formed} and it has not asked this agent since the "
+                             f"view moved {now - broke_at:.1f} s ago, past its op timeout "
+                             f"({w.op_timeout or self.cfg.connect_timeout:g} s); taken for hung (stopped or "
+                             "deadlocked), it is killed and a replacement takes its rank",
+                             rank=w.rank, pid=w.proc.pid, generation=gen, formed=w.formed)
+            try:
+                os.killpg(w.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def _restart_stale(self, local: int, w: Worker, code: int) -> None:
         """A worker that ended before it joined, started for a view that has moved on since (this

@@ -29,7 +29,7 @@ class Membership(View):
     """The agreeing half of a node agent; the subclass sets the fields ``__init__`` of NodeAgent
     lists and implements ``_view_moved`` (stop replacements made stale by a newer generation)."""
 
-    def _view_moved(self, generation: int) -> None:
+    def _view_moved(self, generation: int, grow: bool) -> None:
         raise NotImplementedError
 
     def handle(self, req: dict) -> dict:
@@ -56,7 +56,9 @@ class Membership(View):
                 for w in self.workers.values():
                     if w.proc.pid == req.get("pid") or (w.place == req.get("place")
                                                         and w.generation == req.get("generation")):
-                        w.joined = True
+                        w.joined, w.formed = True, max(w.formed, int(req.get("generation", -1)))
+                        if isinstance(req.get("op_timeout"), (int, float)):
+                            w.op_timeout = float(req["op_timeout"])
             return {"ok": True}
         if op == "world":
             self._watching(req.get("pid"))

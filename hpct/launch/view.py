@@ -93,6 +93,8 @@ class View:
     def _move(self, generation: int, nodes: list[int], why: str) -> None:
         """Caller holds the lock.  Take a newer view and push it to every peer."""
         before, kept = len(self.nodes), len(set(nodes) & set(self.nodes))
+        # A grow appends nodes and breaks no member's world: they take it at a step boundary.
+        grow = len(nodes) > before and list(nodes[:before]) == self.nodes
         self.generation, self.nodes = generation, list(nodes)
         if kept * 2 <= before and kept < before and self.node in self.nodes:
             self.end = JobEnd(LaunchError.exit_code,
@@ -105,7 +107,7 @@ class View:
         self.cond.notify_all()
         if self.node in self.nodes:         # an idle agent follows; only members push views
             threading.Thread(target=self._tell_peers, args=(self._ping(),), daemon=True).start()
-        self._view_moved(generation)
+        self._view_moved(generation, grow)
 
     def _peers(self) -> list[int]:
         with self.cond:

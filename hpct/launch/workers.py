@@ -29,6 +29,9 @@ class Worker:
     started: float = field(default_factory=time.monotonic)
     joined: bool = False         # its world group formed (it told the agent)
     watched: float = 0.0         # when it last asked the agent's view while connecting (monotonic)
+    formed: int = -1             # the generation its world last formed in (it told the agent)
+    op_timeout: float | None = None   # its world's op timeout, seconds (it told the agent)
+    reaped: bool = False         # killed as a no-show: its exit is the loss that replaces it
 
 
 # A standby imports the interpreter's own packages, as the agent did: ``-m`` would put the working
@@ -157,6 +160,20 @@ class Pool:
             standbys, self.standbys = self.standbys, []
         for p in standbys:
             stop([p], 0.0)
+
+
+def no_shows(workers, generation: int, broke_at: float | None, now: float, default_s: float) -> list[Worker]:
+    """The workers that did not come to re-form after the view's last move that broke their world
+    (at ``broke_at``, monotonic): their world formed before ``generation``, they have not asked the
+    agent anything since, and their own op timeout (``default_s`` if unknown) has passed.  Such a
+    worker is hung (stopped, deadlocked): its peers would wait for it until their connect deadline
+    and then fail, over and over, while it never exits.  A worker busy past its op timeout would
+    have failed its peers' collectives already, so the same bound is the user's own."""
+    if broke_at is None:
+        return []
+    return [w for w in workers if w.joined and not w.reaped and w.formed < generation
+            and w.watched < broke_at and now - broke_at > (w.op_timeout or default_s)
+            and w.proc.poll() is None]
 
 
 def stop(procs: list[subprocess.Popen], grace: float) -> None:
