@@ -12,8 +12,8 @@ in network namespaces (one per node, on a bridge), under two systems in the same
   node ends a static torchrun job: the scheduler (this script, at once) starts the job again.
 
 Both get the same seeded schedule (benchmarks/goodput_faults.py, ``--kinds``): SIGKILL of a
-worker; SIGSTOP of a worker for ``--stop-s`` (below the op timeout) or ``--stop-long-s`` (past
-it); a SIGKILL and another one ``--during-s`` later, inside the first one's recovery; a node
+worker; SIGSTOP of a worker for ``--stop-s`` (below the op timeout), ``--stop-long-s`` (past
+it) or for good (``hang``: its system must kill it); a SIGKILL and another one ``--during-s`` later, inside the first one's recovery; a node
 lost (its agent and every process under it SIGKILLed); a lossy link (5 % loss and 20 ms delay
 on one node's link for ``--lossy-s``).  With ``lossy`` among the kinds the nodes are joined by
 the tests' userspace switch (tests/lossy.py, which can impair one link at a time) instead of a
@@ -285,7 +285,7 @@ def run(system: str, ns, args, steps: int, step_time: float, faults: list[gf.Fau
                                      "node": node, "ranks": ranks, "delayed_s": round(t - zero - f.at_s, 3)})
                     print(f"  {system}: t+{t - zero:6.1f} s {what} (ranks {ranks})", file=sys.stderr, flush=True)
                 elif victim > 0:
-                    sig = signal.SIGSTOP if f.kind.startswith("stop") else signal.SIGKILL
+                    sig = signal.SIGSTOP if f.kind.startswith("stop") or f.kind == "hang" else signal.SIGKILL
                     t = time.time()
                     if _signal(victim, sig):
                         injected.append({**f.__dict__, "t": t, "pid": victim, "pids": pids, "members": members,

@@ -23,6 +23,7 @@ KINDS = {
     "kill": "SIGKILL of a worker",
     "stop": "SIGSTOP of a worker, SIGCONT after --stop-s (below every grace)",
     "stop-long": "SIGSTOP of a worker, SIGCONT after --stop-long-s (past the op timeout, --op-timeout)",
+    "hang": "SIGSTOP of a worker for good (a hang that never ends: its system must kill it)",
     "during": "SIGKILL of a worker, and of another one --during-s later (a fault during the recovery)",
     "node": "SIGKILL of the agent of a worker's node and of every process under it",
     "lossy": "5 % loss and 20 ms delay on a worker's node's link for --lossy-s (the tests' userspace switch)",

@@ -65,6 +65,9 @@ def test_each_way_a_fault_can_end_is_told_apart():
     assert gf.outcome(base, moved) == "every worker restarted"
     one = _logs({0: [(1, 2.0, 10)], 1: [(1, 2.0, 21)], 2: [(1, 2.0, 30)]})
     assert gf.outcome(base, one) == "replaced in place"
+    assert gf.outcome({**base, "kind": "hang"}, one) == "replaced in place"
+    assert gf.outcome({**base, "kind": "hang"}, same) == "unexplained: ranks [] have new processes, [1] were hit", \
+        "a hang never ends: its process stepping again means nobody stopped it"
     assert gf.outcome({**base, "kind": "during", "other": 2}, one) == \
         "unexplained: ranks [1] have new processes, [1, 2] were hit"
     assert gf.outcome({**base, "t": 5.0}, one) == "after the job's end"
@@ -115,7 +118,7 @@ def test_each_way_a_fault_can_end_is_told_apart():
     (["--node-return-s", "-1"], "--node-return-s must be 0 or above"),
     (["--lossy-s", "0"], "--lossy-s must be above 0"),
     (["--steps", "0"], "--steps must be at least 1 (or left out: as many as --minutes holds)"),
-    (["--kinds", "kill,flood"], "--kinds: unknown flood (known: kill, stop, stop-long, during, node, lossy)"),
+    (["--kinds", "kill,flood"], "--kinds: unknown flood (known: kill, stop, stop-long, hang, during, node, lossy)"),
 ])
 def test_bad_soak_arguments_say_what_is_wrong_before_anything_starts(argv, message, capsys):
     import goodput
