@@ -1,5 +1,6 @@
 """One node's agent: starts its workers, replaces a lost one in place, and answers its workers'
-``hd.recover()``; agreeing with the other agents is membership.py's half.
+``hd.recover()``; agreeing with the other agents is membership.py's half, and what a worker's
+end or silence makes it do is losses.py's.
 
 No agent is special.  Each listens at ``hosts[node]:HPCT_AGENT_PORT``.  A lost worker (ended
 by a signal) moves the job's view one generation on and its replacement starts in that
@@ -25,15 +26,16 @@ from ..config import VARIABLES, Config
 from ..errors import LaunchError
 from . import wire
 from .events import EventLog
+from .losses import Losses
 from .membership import ASK_TIMEOUT_S, JobEnd, Membership
 from .options import STOP_GRACE_S, RunOptions
-from .workers import Pool, Worker, no_shows, stop, tail
+from .workers import Pool, Worker, stop
 
 POLL_S = 0.02                 # worker exits are noticed within this
 FOLLOWS_S = 1.0               # a worker that asked about the view this recently follows a newer one itself
 
 
-class NodeAgent(Membership):
+class NodeAgent(Losses, Membership):
     def __init__(self, opts: RunOptions, env: dict[str, str]) -> None:
         self.opts, self.node = opts, opts.node_rank
         self.cfg = Config.from_mapping({k: v for k, v in env.items() if k in _CONFIG_NAMES - _PER_WORKER} |
@@ -250,55 +252,6 @@ class NodeAgent(Membership):
                 return 0
             time.sleep(POLL_S)
 
-    def _replace(self, lost: list) -> None:
-        for local, w, code in lost:
-            how = _how(code)
-            self.events.emit("worker-lost", f"rank {w.rank} pid {w.proc.pid} {how}", rank=w.rank,
-                             pid=w.proc.pid, code=code, generation=w.generation, joined=w.joined)
-            if code > 0:
-                if not w.joined and w.generation == 0:
-                    raise JobEnd(code, f"rank {w.rank} could not start (exit {code}); its log {w.log}:\n"
-                                       f"{tail(w.log)}")
-                self.restarts[local] = self.restarts.get(local, 0) + 1
-                if self.restarts[local] > self.opts.max_restarts:
-                    raise JobEnd(code, f"rank {w.rank} failed {self.restarts[local]} times (--max-restarts "
-                                       f"{self.opts.max_restarts}); last exit {code}, its log {w.log}:\n"
-                                       f"{tail(w.log)}")
-        with self.cond:
-            self._move(self.generation + 1, self.nodes, f"{len(lost)} worker(s) lost on node {self.node}")
-        for local, w, code in lost:
-            self._start(local, self.restarts.get(local, 0))
-
-    def _reap_no_shows(self) -> None:
-        """Kill the workers that did not come to re-form (workers.no_shows): their exit is a loss,
-        and the loss path replaces them."""
-        with self.cond:
-            gen, broke_at = self.generation, self.broke_at
-        now = time.monotonic()
-        for w in no_shows(self.workers.values(), gen, broke_at, now, self.cfg.connect_timeout):
-            w.reaped = True
-            self.events.emit("no-show", f"rank {w.rank} pid {w.proc.pid} did not come to re-form in generation "
-                             f"{gen}: its world formed in {w.formed} and it has not asked this agent since the "
-                             f"view moved {now - broke_at:.1f} s ago, past its op timeout "
-                             f"({w.op_timeout or self.cfg.connect_timeout:g} s); taken for hung (stopped or "
-                             "deadlocked), it is killed and a replacement takes its rank",
-                             rank=w.rank, pid=w.proc.pid, generation=gen, formed=w.formed)
-            try:
-                os.killpg(w.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-    def _restart_stale(self, local: int, w: Worker, code: int) -> None:
-        """A worker that ended before it joined, started for a view that has moved on since (this
-        agent stopped it, or a newer peer refused its connect): not a fault of its own, and the
-        newer view already holds its place, so it starts again in that view.  Moving the view for
-        it would make the other nodes' unjoined replacements stale in turn, and so on."""
-        how = _how(code)
-        self.events.emit("stale", f"rank {w.rank} pid {w.proc.pid} of generation {w.generation} {how} before it "
-                         f"joined; the view is at generation {self.generation}: it starts again there",
-                         rank=w.rank, pid=w.proc.pid, code=code, generation=w.generation)
-        self._start(local, self.restarts.get(local, 0))
-
     def _finish(self, end: JobEnd) -> int:
         if self.end is None or self.end is end:
             reason = "signal" if self.signalled is not None else "end"
@@ -312,11 +265,6 @@ class NodeAgent(Membership):
         if end.error and end.code == LaunchError.exit_code:
             raise LaunchError(end.message, fix=end.fix or "see the agents' event logs (--json) on every node")
         return end.code
-
-
-def _how(code: int) -> str:
-    """How a worker process ended, from its non-zero return code."""
-    return f"killed by signal {-code}" if code < 0 else f"exited with {code}"
 
 
 def _resolve(host: str) -> str:

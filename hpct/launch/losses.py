@@ -1,0 +1,71 @@
+"""What a node's agent does when one of its workers ends or stops answering: a lost worker is
+replaced in place at the next generation (its own failure counts against ``--max-restarts``),
+one started for a view that moved on starts again in the newer one, and one that never comes to
+re-form is killed as hung, so that the loss path replaces it.  ``NodeAgent`` (agent.py) mixes
+this in; the fields it reads are NodeAgent's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from .view import JobEnd
+from .workers import Worker, no_shows, tail
+
+
+class Losses:
+    def _replace(self, lost: list) -> None:
+        for local, w, code in lost:
+            how = _how(code)
+            self.events.emit("worker-lost", f"rank {w.rank} pid {w.proc.pid} {how}", rank=w.rank,
+                             pid=w.proc.pid, code=code, generation=w.generation, joined=w.joined)
+            if code > 0:
+                if not w.joined and w.generation == 0:
+                    raise JobEnd(code, f"rank {w.rank} could not start (exit {code}); its log {w.log}:\n"
+                                       f"{tail(w.log)}")
+                self.restarts[local] = self.restarts.get(local, 0) + 1
+                if self.restarts[local] > self.opts.max_restarts:
+                    raise JobEnd(code, f"rank {w.rank} failed {self.restarts[local]} times (--max-restarts "
+                                       f"{self.opts.max_restarts}); last exit {code}, its log {w.log}:\n"
+                                       f"{tail(w.log)}")
+        with self.cond:
+            self._move(self.generation + 1, self.nodes, f"{len(lost)} worker(s) lost on node {self.node}")
+        for local, w, code in lost:
+            self._start(local, self.restarts.get(local, 0))
+
+    def _reap_no_shows(self) -> None:
+        """Kill the workers that did not come to re-form (workers.no_shows): their exit is a loss,
+        and the loss path replaces them."""
+        with self.cond:
+            gen, broke_at = self.generation, self.broke_at
+        now = time.monotonic()
+        for w in no_shows(self.workers.values(), gen, broke_at, now, self.cfg.connect_timeout):
+            w.reaped = True
+            self.events.emit("no-show", f"rank {w.rank} pid {w.proc.pid} did not come to re-form in generation "
+                             f"{gen}: its world formed in {w.formed} and it has not asked this agent since the "
+                             f"view moved {now - broke_at:.1f} s ago, past its op timeout "
+                             f"({w.op_timeout or self.cfg.connect_timeout:g} s); taken for hung (stopped or "
+                             "deadlocked), it is killed and a replacement takes its rank",
+                             rank=w.rank, pid=w.proc.pid, generation=gen, formed=w.formed)
+            try:
+                os.killpg(w.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _restart_stale(self, local: int, w: Worker, code: int) -> None:
+        """A worker that ended before it joined, started for a view that has moved on since (this
+        agent stopped it, or a newer peer refused its connect): not a fault of its own, and the
+        newer view already holds its place, so it starts again in that view.  Moving the view for
+        it would make the other nodes' unjoined replacements stale in turn, and so on."""
+        how = _how(code)
+        self.events.emit("stale", f"rank {w.rank} pid {w.proc.pid} of generation {w.generation} {how} before it "
+                         f"joined; the view is at generation {self.generation}: it starts again there",
+                         rank=w.rank, pid=w.proc.pid, code=code, generation=w.generation)
+        self._start(local, self.restarts.get(local, 0))
+
+
+def _how(code: int) -> str:
+    """How a worker process ended, from its non-zero return code."""
+    return f"killed by signal {-code}" if code < 0 else f"exited with {code}"
