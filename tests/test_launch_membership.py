@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from hpct.launch import membership, wire
 from hpct.launch.membership import Membership
 from hpct.launch.workers import no_shows
 
@@ -41,6 +42,7 @@ class Agent(Membership):
         self.end = self.signalled = None
         self.pushed: list[dict] = []
         self.moves: list[tuple[int, bool]] = []     # (generation, grow) per view move
+        self.addrs, self.port = self.opts.hosts, 1
 
     def _tell_peers(self, message, to=None) -> None:
         self.pushed.append(message)
@@ -231,3 +233,48 @@ def test_a_worker_that_asked_re_formed_is_new_dead_or_reaped_is_not_a_no_show():
     assert no_shows([worker(proc=Proc(alive=False))], 2, **late) == [], "gone: the loss path has it"
     assert no_shows([worker(reaped=True)], 2, **late) == [], "killed once already"
     assert no_shows([worker()], 2, broke_at=None, now=200.0, default_s=300.0) == [], "only grows since start"
+
+
+def answering(monkeypatch, views: dict) -> list[str]:
+    """The peers answer a ping with ``views[host]`` (generation, nodes); a host not there is silent."""
+    asked = []
+
+    def ask(host, port, message, timeout):
+        asked.append(host)
+        if host not in views:
+            raise wire.WireError(f"agent {host}:{port}: timed out")
+        generation, nodes = views[host]
+        return {"generation": generation, "nodes": nodes, "node": int(host[1:])}
+
+    monkeypatch.setattr(membership.wire, "ask", ask)
+    return asked
+
+
+def test_a_re_form_with_every_peer_answering_moves_after_the_short_wait_not_the_grace(monkeypatch):
+    """A peer stopped past the op timeout: nobody was lost, every agent answers.  The re-form
+    waited the whole grace (5 s here, plus a second) before; the stopped peer's hang was longer by it."""
+    a = Agent(0, spares=0)
+    asked = answering(monkeypatch, {"h1": (0, [0, 1, 2]), "h2": (0, [0, 1, 2])})
+    t0 = time.monotonic()
+    reply = a.handle({"op": "world", "place": 1, "formed": 0, "pid": 7})
+    took = time.monotonic() - t0
+    assert reply == {"generation": 1, "world_size": 6, "rank": 1, "plan_ranks": [0, 1, 2, 3, 4, 5]}
+    assert membership.REFORM_WAIT_S <= took < a.opts.node_grace, took
+    assert sorted(asked) == ["h1", "h2"] and a.nodes == [0, 1, 2]
+    assert [f["why"] for e, f in a.events.seen if e == "view"] == ["re-form asked by a worker"]
+
+
+def test_a_re_form_takes_a_peers_newer_view_and_waits_the_grace_for_a_silent_peer(monkeypatch):
+    a = Agent(0, spares=0)
+    answering(monkeypatch, {"h1": (1, [0, 1, 2]), "h2": (0, [0, 1, 2])})     # node 1 replaced a worker
+    assert a.handle({"op": "world", "place": 0, "formed": 0, "pid": 7})["generation"] == 1
+    assert [f["why"] for e, f in a.events.seen if e == "view"] == ["a peer's view"]
+    b = Agent(0, spares=0)
+    b.opts.node_grace = 1.0
+    answering(monkeypatch, {"h1": (0, [0, 1, 2])})                            # node 2 is silent
+    t0 = time.monotonic()
+    reply = b.handle({"op": "world", "place": 0, "formed": 0, "pid": 7})
+    assert time.monotonic() - t0 >= b.opts.node_grace, "a silent peer is dropped only after the grace"
+    assert (reply["generation"], b.nodes) == (1, [0, 1])
+    assert [f["message"] for e, f in b.events.seen if e == "node-lost"] == \
+        ["node 2 did not answer a probe (a worker was waiting)"]

@@ -19,6 +19,7 @@ __all__ = ["JobEnd", "Membership"]
 
 HEARTBEAT_S = 0.5             # agents ask each other this often
 ASK_TIMEOUT_S = 2.0
+REFORM_WAIT_S = 1.0           # a worker's re-form first waits this long for a loss another agent reports
 SETTLE_S = 1.0                # a peer's leave waits this long: if this agent is signalled too, it is a cancel
 
 SAME_JOB_FIX = ("start every agent of a job with the same --rdzv-id, --nnodes, --nproc-per-node and host list, "
@@ -109,16 +110,26 @@ class Membership(View):
             self.cond.notify_all()
 
     def _answer_world(self, place: int, formed: int) -> dict:
-        deadline = time.monotonic() + self.opts.node_grace + 2 * HEARTBEAT_S
-        with self.cond:
-            while self.generation <= formed and time.monotonic() < deadline and self.end is None:
-                self.cond.wait(timeout=0.05)
-        if self.generation <= formed:
-            self._probe()
+        """The world after ``formed``, for a worker whose world failed: the view a loss moved to, or
+        the same members one generation on when nobody was lost (a peer stopped past the op
+        timeout, or slow).  It waits REFORM_WAIT_S for a loss another agent reports, then asks every
+        peer: when all answer and none holds a newer view, nobody was lost.  A peer that does not
+        answer may be a lost node: the heartbeat drops it within the grace, else the probe then."""
+        start = time.monotonic()
+        self._wait_past(formed, start + REFORM_WAIT_S)
+        if self.generation <= formed and not self._probe(drop=False):
+            self._wait_past(formed, start + self.opts.node_grace + 2 * HEARTBEAT_S)
+            if self.generation <= formed:
+                self._probe(drop=True)
         with self.cond:
             if self.generation <= formed:       # nobody was lost: the same members, re-formed
                 self._move(formed + 1, self.nodes, "re-form asked by a worker")
             return self._world_of(place)
+
+    def _wait_past(self, formed: int, deadline: float) -> None:
+        with self.cond:
+            while self.generation <= formed and time.monotonic() < deadline and self.end is None:
+                self.cond.wait(timeout=0.05)
 
     def _world_of(self, place: int) -> dict:
         plan, gen = self._world()
@@ -126,16 +137,19 @@ class Membership(View):
             return {"error": f"place {place} is not in the world of generation {gen}"}
         return {"generation": gen, "world_size": len(plan), "rank": plan.index(place), "plan_ranks": plan}
 
-    def _probe(self) -> None:
-        """Ask every peer now; the ones that do not answer are lost (a worker is waiting)."""
+    def _probe(self, drop: bool) -> bool:
+        """Ask every peer now and take the views they answer; True when every one answered.  With
+        ``drop``, the ones that did not are lost (a worker is waiting and the grace has passed)."""
         silent = []
         for n in self._peers():
             try:
-                wire.ask(self.addrs[n], self.port, self._ping(), ASK_TIMEOUT_S)
-            except wire.WireError:
+                reply = wire.ask(self.addrs[n], self.port, self._ping(), ASK_TIMEOUT_S)
+                self._merge(reply["generation"], reply["nodes"], n)
+            except (wire.WireError, KeyError):
                 silent.append(n)
-        if silent:
+        if silent and drop:
             self._drop(silent, [], probed=True)
+        return not silent
 
     def _greet(self) -> None:
         """Every peer must answer a hello (same job, nodes, workers, hosts) before workers start."""
