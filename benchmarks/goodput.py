@@ -325,6 +325,21 @@ def run(system: str, ns, args, steps: int, step_time: float, faults: list[gf.Fau
             "final_world": min((r["world_size"] for r in records), default=None)}
 
 
+def _reference(system: str, reduction: str, ns, args) -> dict:
+    """The fault-free run's digest for ``reduction``: from the cache, else run (``system``, no
+    faults, no simulated compute) and kept when clean."""
+    ref_key = goodput_reference.key(EXAMPLE, _torch_version(), args.nodes, args.nproc, args.steps, reduction)
+    cached = None if args.fresh_reference else goodput_reference.load(ref_key)
+    if cached:
+        print(f"goodput: the fault-free digest of these {args.steps} steps ({reduction} order) from "
+              f"{goodput_reference.folder() / ref_key}.json (--fresh-reference runs it again)",
+              file=sys.stderr, flush=True)
+        return goodput_reference.cached_result(cached, system)
+    result = run(system, ns, args, args.steps, 0.0, [])
+    goodput_reference.store(ref_key, result)
+    return result
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="3x2", help="NODESxWORKERS, one network namespace per node")
@@ -384,16 +399,13 @@ def main(argv=None) -> int:
         args.steps = job_steps or max(CALIBRATION_STEPS, round(horizon / known[0]))
         print(f"goodput: {args.steps} steps (rerun the same job with --seed {args.seed} --steps {args.steps})",
               file=sys.stderr, flush=True)
-        ref_key = goodput_reference.key(EXAMPLE, _torch_version(), args.nodes, args.nproc, args.steps)
-        cached = None if args.fresh_reference else goodput_reference.load(ref_key)
-        if cached:
-            print(f"goodput: the fault-free digest of these {args.steps} steps from "
-                  f"{goodput_reference.folder() / ref_key}.json (--fresh-reference runs it again)",
-                  file=sys.stderr, flush=True)
-            results["reference"] = goodput_reference.cached_result(cached)
-        else:
-            results["reference"] = run("stock", ns, args, args.steps, 0.0, [])   # the digest without faults
-            goodput_reference.store(ref_key, results["reference"])
+        # each system against a fault-free run of its reduction order (goodput_reference.order)
+        world, ran = args.nodes * args.nproc, {}
+        for system in args.systems:
+            reduction = goodput_reference.order(system, world)
+            if reduction not in ran:
+                ran[reduction] = _reference("stock" if reduction == "gloo" else system, reduction, ns, args)
+            results[f"reference-{system}"] = ran[reduction]
         faults = gf.schedule(args.seed, args.mtbf, horizon * 0.9, args.nodes * args.nproc, args.kinds)
         for system in args.systems:
             results[system] = run(system, ns, args, args.steps, args.step_time, faults, net if lossy else None)

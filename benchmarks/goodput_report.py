@@ -59,15 +59,17 @@ def _row(system: str, r: dict, acc: dict | None, outcomes: list[str], same: bool
 
 def report(results: dict, step_s: dict, faults: list[gf.Fault], args) -> tuple[dict, str, bool]:
     """(the JSON document, the text, whether the soak is clean)."""
-    problems = [f"{name}: {r['error']}" for name, r in results.items() if r["error"]]
-    reference = results.get("reference", {}).get("digests")
-    if reference is not None and len(reference) != 1:
-        problems.append(f"the fault-free run's ranks end with {len(reference)} digests")
+    # both systems' reference may be one run (the same reduction order): its error is told once
+    problems = [f"{name}: {r['error']}" for name, r in {id(r): (n, r) for n, r in results.items()}.values()
+                if r["error"]]
     rows, systems = [], {}
     for system in args.systems:
         r = results.get(system)
         if r is None:
             continue
+        reference = results.get(f"reference-{system}", {}).get("digests")
+        if reference is not None and len(reference) != 1:
+            problems.append(f"{system}: its fault-free run's ranks end with {len(reference)} digests")
         acc = None if r["error"] or not step_s.get(system) else \
             gf.account(r["logs"], r["injected"], args.steps, step_s[system], r["wall_s"])
         untils = [f["t"] for f in r["injected"][1:]] + [float("inf")]

@@ -128,6 +128,19 @@ def test_bad_soak_arguments_say_what_is_wrong_before_anything_starts(argv, messa
 
 
 @pytest.mark.unit
+def test_hpct_is_checked_against_its_own_fault_free_run_where_its_sums_differ_from_the_ring():
+    """The 30-minute 4x4 soak (16 ranks) reported hpct's digest as differing from the fault-free
+    run's after faults that all keep the bits: the reference was stock's, and from 16 ranks
+    hpct's small float all_reduce is recursive doubling (other bits, the same on every rank)."""
+    import goodput_reference as ref
+    assert ref.order("stock", 16, {}) == "gloo"
+    assert ref.order("hpct", 6, {}) == "gloo", "below 16 ranks hpct's all_reduce is Gloo's ring"
+    assert ref.order("hpct", 16, {}) == "hpct-log16"
+    assert ref.order("hpct", 16, {"HPCT_LOG_ALLREDUCE": "0"}) == "gloo"
+    assert ref.order("hpct", 6, {"HPCT_LOG_ALLREDUCE": "4"}) == "hpct-log4"
+
+
+@pytest.mark.unit
 def test_the_reference_digest_is_kept_per_job_and_only_from_a_clean_run(tmp_path, monkeypatch):
     import goodput_reference as ref
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -136,10 +149,11 @@ def test_the_reference_digest_is_kept_per_job_and_only_from_a_clean_run(tmp_path
     k = ref.key(script, "2.13.0", 4, 4, 600)
     # every input is part of the key: a changed script, torch, world or length is another job
     others = {ref.key(script, "2.15.0", 4, 4, 600), ref.key(script, "2.13.0", 3, 4, 600),
-              ref.key(script, "2.13.0", 4, 2, 600), ref.key(script, "2.13.0", 4, 4, 601)}
+              ref.key(script, "2.13.0", 4, 2, 600), ref.key(script, "2.13.0", 4, 4, 601),
+              ref.key(script, "2.13.0", 4, 4, 600, "hpct-log16")}
     script.write_text("model = 2\n")
     others.add(ref.key(script, "2.13.0", 4, 4, 600))
-    assert k not in others and len(others) == 5
+    assert k not in others and len(others) == 6
     assert ref.load(k) is None
     assert not ref.store(k, {"error": "stock: launchers exited [1]", "digests": ["a"]})
     assert not ref.store(k, {"error": None, "digests": ["a", "b"]})       # ranks that disagree
