@@ -124,13 +124,18 @@ def account(logs, injected: list[dict], steps: int, step_s: float, wall_s: float
     }
 
 
-def outcome(fault: dict, logs, until: float = float("inf")) -> str:
+def hit_ranks(fault: dict) -> set[int]:
+    return set(fault.get("ranks") or [fault["rank"]]) | ({fault["other"]} if fault["other"] >= 0 else set())
+
+
+def outcome(fault: dict, logs, until: float = float("inf"), carried: frozenset = frozenset()) -> str:
     """How a fault ended: which ranks are held by another process than at the fault
     (``fault["pids"]``), against the ranks it hit.  A rank's holder is the process of its last
     step before ``until`` (the next fault): a step already in flight at the kill may still
     complete on a survivor that its system restarts right after.  A fault whose next fault came
-    before every rank stepped again is told as overlapped: the next one's account covers both."""
-    hit = set(fault.get("ranks") or [fault["rank"]]) | ({fault["other"]} if fault["other"] >= 0 else set())
+    before every rank stepped again is told as overlapped: the next one's account covers both,
+    so the ranks the overlapped ones hit (``carried``) may change in this one's window too."""
+    hit = hit_ranks(fault)
     members = _members(fault, logs)
     lost = _lost_with_node(fault)
     nexts = {r: min((s for s, t, _ in rows if t > fault["t"]), default=None) for r, rows in logs.items()}
@@ -162,6 +167,7 @@ def outcome(fault: dict, logs, until: float = float("inf")) -> str:
     changed = {r for r, pid in holder.items() if fault["pids"][r] != pid}
     if len(changed) == len(holder):
         return "every worker restarted"
+    changed -= carried - hit         # an earlier, overlapped fault's victims, replaced meanwhile
     if fault["kind"].startswith("stop"):
         return "rode through" if not changed else "replaced in place" if changed == hit else \
             f"unexplained: ranks {sorted(changed)} have new processes"

@@ -73,7 +73,11 @@ def report(results: dict, step_s: dict, faults: list[gf.Fault], args) -> tuple[d
         acc = None if r["error"] or not step_s.get(system) else \
             gf.account(r["logs"], r["injected"], args.steps, step_s[system], r["wall_s"])
         untils = [f["t"] for f in r["injected"][1:]] + [float("inf")]
-        outcomes = [gf.outcome(f, r["logs"], u) for f, u in zip(r["injected"], untils)] if acc else []
+        outcomes, carried = [], frozenset()
+        for f, u in zip(r["injected"], untils) if acc else ():
+            outcomes.append(gf.outcome(f, r["logs"], u, carried))
+            overlapped = outcomes[-1] == "overlapped by the next fault"
+            carried = carried | gf.hit_ranks(f) if overlapped else frozenset()
         for f, o in zip(r["injected"], outcomes):
             f["outcome"] = o
         # a shrunk world reduces over fewer ranks: other bits (two nodes lost inside one repair

@@ -108,6 +108,15 @@ def test_each_way_a_fault_can_end_is_told_apart():
     slow = _logs({r: [(0, 1.0, pid), (1, 1.52, pid), (2, 25.0, pid + 50)] for r, pid in node["pids"].items()})
     assert gf.outcome(node, slow, until=19.5) == "overlapped by the next fault"
     assert gf.outcome(node, slow) == "every worker restarted"
+    # a kill inside a hang's repair (3x2 soak, seed 1): the hang is overlapped, and the hung rank's
+    # replacement lands in the kill's window; the kill's account carries the hang's rank
+    hang, kill = {**base, "kind": "hang", "rank": 2}, {**base, "t": 2.0}
+    both = _logs({0: [(1, 1.0, 10), (2, 3.0, 10)], 1: [(1, 1.0, 20), (2, 3.0, 21)], 2: [(1, 1.0, 30), (2, 3.0, 31)]})
+    assert gf.outcome(hang, both, until=2.0) == "overlapped by the next fault"
+    assert gf.outcome(kill, both) == "unexplained: ranks [1, 2] have new processes, [1] were hit"
+    assert gf.outcome(kill, both, carried=frozenset({2})) == "replaced in place"
+    assert gf.outcome({**kill, "kind": "stop"}, _logs({0: [(2, 3.0, 10)], 1: [(2, 3.0, 20)], 2: [(2, 3.0, 31)]}),
+                      carried=frozenset({2})) == "rode through"
     # a step that no rank logged is lost work, not a kill's unlogged last line
     cut = _logs({0: [(0, 1.0, 10), (2, 3.0, 10)], 1: [(0, 1.0, 20), (2, 3.0, 21)]})
     assert gf.account(cut, [], steps=3, step_s=1.0, wall_s=4.0)["steps_missing"] == [1]
