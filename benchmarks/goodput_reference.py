@@ -5,13 +5,14 @@ same job.  That run is as long as the job itself (on 2 cores, 16 workers are CPU
 ``--step-time``): a 30-minute soak paid 30 minutes more for it.  The digest depends only on what
 this key hashes: examples/ddp.py's bytes (the model, the data, the seed), torch's version (its
 kernels and Gloo's reduction order), the world's shape, the number of steps and the reduction
-order of the run (``order``).  hpct's small float all_reduce is Gloo's ring below
-HPCT_LOG_ALLREDUCE ranks (16 by default) and recursive doubling from there (docs/distributed.md):
-from that size on, hpct's fault-free run ends with other bits than stock's, so hpct is checked
-against a fault-free run of its own.  So a second soak
-of the same job takes it from ``$XDG_CACHE_HOME/hpct/goodput-reference/<key>.json`` (default
-``~/.cache``), and says so; ``--fresh-reference`` runs it again.  Only a clean run is stored: no
-error and one digest over every rank.
+order of the run (``order``).  So a second soak of the same job takes it from
+``$XDG_CACHE_HOME/hpct/goodput-reference/<key>.json`` (default ``~/.cache``), and says so;
+``--fresh-reference`` runs it again.  Only a clean run is stored: no error and one digest over
+every rank.
+
+hpct's small float all_reduce is Gloo's ring below HPCT_LOG_ALLREDUCE ranks (16 by default) and
+recursive doubling from there (docs/distributed.md): from that size on, hpct's fault-free run
+ends with other bits than stock's, so hpct is checked against a fault-free run of its own.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ def order(system: str, world: int, env=os.environ) -> str:
     if system != "hpct":
         return "gloo"
     from hpct.config import Config
-    start = Config.from_mapping({k: v for k, v in env.items() if k == "HPCT_LOG_ALLREDUCE"}).log_allreduce_from
-    return f"hpct-log{start}" if 0 < start <= world else "gloo"
+    cfg = Config.from_mapping({k: v for k, v in env.items() if k == "HPCT_LOG_ALLREDUCE"})
+    return f"hpct-log{cfg.log_allreduce_from}" if cfg.float_doubling(world) else "gloo"
 
 
 def folder() -> Path:

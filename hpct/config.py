@@ -269,6 +269,11 @@ class Config:
         """Where ``hpct run``'s agents listen unless HPCT_AGENT_PORT says: right after the blocks."""
         return max(b.stop for b in self.blocks.values())
 
+    def float_doubling(self, group_size: int) -> bool:
+        """Whether a group of ``group_size`` sums a small float all_reduce by recursive doubling
+        (other bits than Gloo's ring) rather than the ring (HPCT_LOG_ALLREDUCE; 0: never)."""
+        return 0 < self.log_allreduce_from <= group_size
+
     def __post_init__(self) -> None:
         _check_rules(self)
 

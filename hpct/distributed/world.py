@@ -131,7 +131,7 @@ def connect_context(cfg: Config, *, name: str, group_rank: int, generation: int,
                             connect_timeout=connect_timeout, connect=False,
                             retry_delay_initial=min(0.002, retry_max), retry_delay_max=retry_max,
                             lazy=cfg.lazy_connect, group_key=key,
-                            float_doubling=0 < cfg.log_allreduce_from <= group_size)
+                            float_doubling=cfg.float_doubling(group_size))
     except _gloo.AddressInUseError as err:
         host, port = peers[group_rank]
         raise PortPlanError(
