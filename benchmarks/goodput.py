@@ -13,11 +13,12 @@ in network namespaces (one per node, on a bridge), under two systems in the same
 
 Both get the same seeded schedule (benchmarks/goodput_faults.py, ``--kinds``): SIGKILL of a
 worker; SIGSTOP of a worker for ``--stop-s`` (below the op timeout), ``--stop-long-s`` (past
-it) or for good (``hang``: its system must kill it); a SIGKILL and another one ``--during-s`` later, inside the first one's recovery; a node
-lost (its agent and every process under it SIGKILLed); a lossy link (5 % loss and 20 ms delay
-on one node's link for ``--lossy-s``).  With ``lossy`` among the kinds the nodes are joined by
-the tests' userspace switch (tests/lossy.py, which can impair one link at a time) instead of a
-bridge, for both systems.  Reported for each system:
+it) or for good (``hang``: its system must kill it); a SIGKILL and another one ``--during-s``
+later, inside the first one's recovery; a node lost (its agent and every process under it
+SIGKILLed); a lossy link (5 % loss and 20 ms delay on one node's link for ``--lossy-s``).  With
+``lossy`` among the kinds the nodes are joined by the tests' userspace switch (tests/lossy.py,
+which can impair one link at a time) instead of a bridge, for both systems.  Reported for each
+system:
 
 * goodput: steps that count x the fault-free step time / wall time (launch to the job's end;
   the fault-free step time is measured by a short run of the same system first);

@@ -12,7 +12,7 @@ import signal
 import time
 
 from .view import JobEnd
-from .workers import Worker, no_shows, tail
+from .workers import Worker, no_shows, re_form_bound, tail
 
 
 class Losses:
@@ -46,7 +46,7 @@ class Losses:
             self.events.emit("no-show", f"rank {w.rank} pid {w.proc.pid} did not come to re-form in generation "
                              f"{gen}: its world formed in {w.formed} and it has not asked this agent since the "
                              f"view moved {now - broke_at:.1f} s ago, past its op timeout "
-                             f"({w.op_timeout or self.cfg.connect_timeout:g} s); taken for hung (stopped or "
+                             f"({re_form_bound(w, self.cfg.connect_timeout):g} s); taken for hung (stopped or "
                              "deadlocked), it is killed and a replacement takes its rank",
                              rank=w.rank, pid=w.proc.pid, generation=gen, formed=w.formed)
             try:

@@ -162,6 +162,12 @@ class Pool:
             stop([p], 0.0)
 
 
+def re_form_bound(w: Worker, default_s: float) -> float:
+    """How long after a view move that broke its world a worker may stay silent: its op timeout,
+    if it told one, else ``default_s``."""
+    return w.op_timeout or default_s
+
+
 def no_shows(workers, generation: int, broke_at: float | None, now: float, default_s: float) -> list[Worker]:
     """The workers that did not come to re-form after the view's last move that broke their world
     (at ``broke_at``, monotonic): their world formed before ``generation``, they have not asked the
@@ -172,7 +178,7 @@ def no_shows(workers, generation: int, broke_at: float | None, now: float, defau
     if broke_at is None:
         return []
     return [w for w in workers if w.joined and not w.reaped and w.formed < generation
-            and w.watched < broke_at and now - broke_at > (w.op_timeout or default_s)
+            and w.watched < broke_at and now - broke_at > re_form_bound(w, default_s)
             and w.proc.poll() is None]
 
 
