@@ -5,8 +5,9 @@ examples/ddp.py (``--step-time`` seconds of simulated compute per step) runs on 
 in network namespaces (one per node, on a bridge), under two systems in the same invocation:
 
 * **hpct**: ``hpct run --standby 1`` (a warm standby per node replaces a lost worker in place;
-  the survivors recover in-process), with ``--spare-nodes 1`` when nodes are lost (the spare
-  takes the first lost node's ranks; after that the survivors shrink while a majority lives);
+  the survivors recover in-process), with ``--spare-nodes 1`` when nodes are lost or links turn
+  lossy (the spare takes the first lost node's ranks, or a slow node's; after that the survivors
+  shrink while a majority lives, or ride a slow link through);
 * **stock**: ``torchrun --max-restarts`` on Gloo, ``--checkpoint-every K``: rank 0 saves the state
   every K steps, a fault restarts every worker and they resume from the last checkpoint.  A lost
   node ends a static torchrun job: the scheduler (this script, at once) starts the job again.
@@ -75,7 +76,7 @@ class Job:
                        "--op-timeout", str(args.op_timeout)]
         self.procs: list[subprocess.Popen] = []
         self.agents = None
-        self.spares = int("node" in args.kinds) if system == "hpct" else 0
+        self.spares = int("node" in args.kinds or "lossy" in args.kinds) if system == "hpct" else 0
         self.lost: set[int] = set()          # nodes whose agent was killed (their exit code is -9)
         self.job_restarts = 0                # stock: the scheduler's restarts of the whole job
         self.returns: dict[int, float] = {}  # lost node -> when the scheduler has it back (--node-return-s)

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from hpct.launch import membership, wire
+from hpct.launch.links import LinkTimes
 from hpct.launch.membership import Membership
 from hpct.launch.workers import no_shows
 
@@ -33,11 +34,12 @@ class Agent(Membership):
 
     def __init__(self, node: int, nnodes: int = 3, spares: int = 1) -> None:
         self.opts = SimpleNamespace(nnodes=nnodes, spare_nodes=spares, all_nodes=nnodes + spares, node_grace=5.0,
-                                    nproc_per_node=2, run_id="t", hosts=[f"h{n}" for n in range(nnodes + spares)])
+                                    slow_link_ms=10.0, nproc_per_node=2, run_id="t", hosts=[f"h{n}" for n in range(nnodes + spares)])
         self.node, self.cond, self.events = node, threading.Condition(), Recorder()
         self.generation, self.nodes = 0, list(range(nnodes))
         self.finished, self.leaving, self.gone, self.hellos, self.workers = set(), {}, {}, set(), {}
-        self.failing = {}
+        self.failing, self.heard_links, self.slow = {}, {}, {}
+        self.link_times = LinkTimes()
         self.seen = {n: time.monotonic() for n in range(nnodes + spares)}
         self.end = self.signalled = None
         self.pushed: list[dict] = []
@@ -278,3 +280,4 @@ def test_a_re_form_takes_a_peers_newer_view_and_waits_the_grace_for_a_silent_pee
     assert (reply["generation"], b.nodes) == (1, [0, 1])
     assert [f["message"] for e, f in b.events.seen if e == "node-lost"] == \
         ["node 2 did not answer a probe (a worker was waiting)"]
+

@@ -87,5 +87,8 @@ def test_spare_nodes_follow_the_active_ones_in_the_host_list(tmp_path):
         options(["--spare-nodes", "4", str(script)], env)
     with pytest.raises(LaunchError, match="--spare-nodes -1 is negative"):
         options(["--spare-nodes", "-1", str(script)], env)
+    assert o.slow_link_ms == 10.0 and options(["--slow-link-ms", "0", str(script)], env).slow_link_ms == 0
+    with pytest.raises(LaunchError, match="--slow-link-ms -5.0 is negative"):
+        options(["--slow-link-ms", "-5", str(script)], env)
     with pytest.raises(LaunchError, match="--node-rank 4 is not below --nnodes 3 plus --spare-nodes 1"):
         options(["--node-rank", "4", "--spare-nodes", "1", str(script)], env)

@@ -29,24 +29,25 @@ STEPS = ["--steps", "40", "--step-time", "0.03"]
 LIMIT_S = 180
 
 
-_STOCK: dict[tuple[str, int], str] = {}
+_STOCK: dict[tuple[str, int, tuple[str, ...]], str] = {}
 
 
-def stock_digest(tmp: Path, nproc: int, script: str = EXAMPLE) -> str:
+def stock_digest(tmp: Path, nproc: int, script: str = EXAMPLE, steps: list[str] = STEPS) -> str:
     """The fault-free run: torchrun and torch's own Gloo backend, the same script (once per size)."""
-    if (script, nproc) in _STOCK:
-        return _STOCK[script, nproc]
+    key = (script, nproc, tuple(steps))
+    if key in _STOCK:
+        return _STOCK[key]
     out = tmp / "stock"
     out.mkdir()
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          f"--nproc-per-node={nproc}", script, *STEPS, "--backend", "gloo", "--out", str(out)],
+                          f"--nproc-per-node={nproc}", script, *steps, "--backend", "gloo", "--out", str(out)],
                          capture_output=True, text=True, timeout=LIMIT_S, cwd=tmp,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
     digests = {r["digest"] for r in records(out)}
     assert len(digests) == 1
-    _STOCK[script, nproc] = digests.pop()
-    return _STOCK[script, nproc]
+    _STOCK[key] = digests.pop()
+    return _STOCK[key]
 
 
 def wait_progress(agents: Agents, out: Path, rank: int, step: int, timeout: float = 120) -> None:

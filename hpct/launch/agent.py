@@ -26,6 +26,7 @@ from ..config import VARIABLES, Config
 from ..errors import LaunchError
 from . import wire
 from .events import EventLog
+from .links import LinkTimes
 from .losses import Losses
 from .membership import ASK_TIMEOUT_S, JobEnd, Membership
 from .options import STOP_GRACE_S, RunOptions
@@ -58,6 +59,9 @@ class NodeAgent(Losses, Membership):
         self.workers: dict[int, Worker] = {}
         self.restarts: dict[int, int] = {}
         self.broke_at: float | None = None       # the last view move that broke the members' world
+        self.link_times = LinkTimes()            # this agent's answered asks per peer (links.py)
+        self.heard_links: dict[int, tuple[float, dict[int, float]]] = {}   # node -> (when, its links)
+        self.slow: dict[int, float] = {}         # node -> since when its links stand out
         self.end: JobEnd | None = None
         self.signalled: int | None = None
         self.base_env = self._base_env(env)

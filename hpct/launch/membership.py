@@ -39,7 +39,8 @@ class Membership(View):
             return self._hello(req)
         if op == "ping":
             self._merge(req.get("generation", -1), req.get("nodes", []), req.get("node"))
-            return self._view()
+            self._hear_links(req.get("node"), req.get("links"))
+            return {**self._view(), "links": self._links()}
         if op == "leave":
             with self.cond:
                 n = req.get("node")
@@ -191,8 +192,12 @@ class Membership(View):
 
         def ask(n: int, view: dict) -> None:
             try:
+                t0 = time.monotonic()
                 reply = wire.ask(self.addrs[n], self.port, view, ASK_TIMEOUT_S)
+                with self.cond:
+                    self.link_times.record(n, time.monotonic() - t0)
                 self._merge(reply["generation"], reply["nodes"], n)
+                self._hear_links(n, reply.get("links"))
             except (wire.WireError, KeyError):
                 with self.cond:
                     self.failing.setdefault(n, time.monotonic())
@@ -215,6 +220,7 @@ class Membership(View):
                 left = [n for n, t in self.leaving.items() if now - t > SETTLE_S]
             self._drop(silent, left)
             self._take_idle()
+            self._give_slow_slot(self._judge_links())
             time.sleep(HEARTBEAT_S)
 
     def _silent(self, n: int, now: float, limit: float) -> bool:

@@ -37,6 +37,9 @@ REFUSED_FLAGS = {
 }
 DEFAULT_GRACE_S = 5.0          # an agent silent this long is a lost node
 STOP_GRACE_S = 10.0            # SIGTERM to workers, then SIGKILL after this
+# A node whose agent's asks take longer than this (and 4x the rest of the job's) gives its slot to a
+# spare (links.py).  Asks inside a data centre take well under 1 ms; 10 ms is a link gone bad.
+DEFAULT_SLOW_LINK_MS = 10.0
 
 
 def _spellings(flag: str) -> list[str]:
@@ -81,6 +84,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "lost node's place (its ranks), and a node that comes back after a shrink joins by grow")
     add("--port-base", type=int, default=None, help="HPCT_PORT_BASE for the job's port plan")
     add("--node-grace", type=float, default=DEFAULT_GRACE_S, help="seconds of silence that make a node lost")
+    add("--slow-link-ms", type=float, default=DEFAULT_SLOW_LINK_MS, help="a node whose links are this slow "
+        "(the median agent ask, in ms) and 4x slower than the rest gives its ranks to an idle spare node; 0: never")
     add("--log-dir", default=None, help="folder for per-worker logs (default: a new temporary folder)")
     add("--json", dest="json_log", default=None, help="write the event log as JSON lines to this file")
     for flag in UNUSED_FLAGS:
@@ -109,6 +114,7 @@ class RunOptions:
     log_dir: Path
     json_log: Path | None
     node_grace: float
+    slow_link_ms: float               # links.py; 0: a slow node keeps its slot
     port_env: tuple[tuple[str, str], ...]   # HPCT_PORT_BASE etc. for the workers, when given
     unused: tuple[str, ...] = ()
 
@@ -146,7 +152,7 @@ class RunOptions:
             raise LaunchError(f"--node-rank {node_rank} is not below --nnodes {nnodes}"
                               f"{f' plus --spare-nodes {spares}' if spares else ''}",
                               fix=f"give each node's agent a rank from 0 to {nnodes + spares - 1}")
-        for name in ("max_restarts", "standby"):
+        for name in ("max_restarts", "standby", "slow_link_ms"):
             if args.get(name, 0) < 0:
                 raise LaunchError(f"--{name.replace('_', '-')} {args[name]} is negative", fix="give 0 or more")
         script = args["training_script"]
@@ -171,7 +177,8 @@ class RunOptions:
                    spare_nodes=spares,
                    command=command + tuple(args.get("training_script_args") or ()),
                    python_script=not args.get("no_python"), log_dir=log_dir.resolve(), json_log=json_log,
-                   node_grace=float(args.get("node_grace", DEFAULT_GRACE_S)), port_env=port_env,
+                   node_grace=float(args.get("node_grace", DEFAULT_GRACE_S)),
+                   slow_link_ms=float(args.get("slow_link_ms", DEFAULT_SLOW_LINK_MS)), port_env=port_env,
                    unused=tuple(args.get("unused") or ()))
 
 

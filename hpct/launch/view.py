@@ -5,7 +5,8 @@ A slot holds a node and ``nproc_per_node`` ranks, in slot order.  An idle node (
 ``--spare-nodes``, or a dropped node whose agent said hello again) that has pinged within the
 grace is taken in: when a node is dropped, the lowest idle node takes its slot (same ranks, the
 world keeps its size); when the world is smaller than ``--nnodes``, the lowest node of the view
-appends one (a grow: the members keep their ranks, the newcomer's follow).
+appends one (a grow: the members keep their ranks, the newcomer's follow).  A member whose links
+stand out as slow (links.py) gives its slot to an idle node whose links do not, the same way.
 
 A newer generation wins, less the nodes this agent dropped; of two views of one generation both
 sides choose the smaller node list (one generation on), and a member left out follows it, idle.
@@ -20,6 +21,7 @@ import threading
 import time
 
 from ..errors import LaunchError
+from . import links
 
 
 class JobEnd(Exception):
@@ -40,8 +42,50 @@ class View:
             return {"generation": self.generation, "nodes": list(self.nodes), "node": self.node}
 
     def _ping(self) -> dict:
-        """This agent's view, as it tells a peer (the answer is the peer's view)."""
-        return {"op": "ping", **self._view()}
+        """This agent's view and its links, as it tells a peer (the answer is the peer's)."""
+        return {"op": "ping", **self._view(), "links": self._links()}
+
+    def _links(self) -> dict[int, float]:
+        """The median time of this agent's answered asks, per peer it asks (links.py)."""
+        with self.cond:
+            return self.link_times.medians(self._peers())
+
+    def _hear_links(self, sender, raw) -> None:
+        if isinstance(sender, int) and sender != self.node:
+            with self.cond:
+                self.heard_links[sender] = (time.monotonic(), links.parse(raw))
+
+    def _judge_links(self) -> dict[int, tuple[float, float]]:
+        """The nodes whose links stand out now, from every report heard within the grace and this
+        agent's own; ``self.slow`` keeps since when each has."""
+        now = time.monotonic()
+        with self.cond:
+            reports = {n: row for n, (t, row) in self.heard_links.items() if now - t <= self.opts.node_grace}
+            reports[self.node] = self._links()
+            slow = links.slow_nodes(reports, self.opts.slow_link_ms)
+            self.slow = {n: self.slow.get(n, now) for n in slow}
+            return slow
+
+    def _give_slow_slot(self, slow: dict[int, tuple[float, float]]) -> None:
+        """The lowest node of the view gives a member whose links stood out for SLOW_HOLD_S to an
+        idle node whose links do not.  The member's workers stop when it sees the view (as a node
+        that found itself dropped) and the idle node's start in its slot from warm standbys.
+        Without an idle node the job rides the slow link through: giving up ranks would cost more."""
+        with self.cond:
+            if self.end is not None or not self.nodes or self.nodes[0] != self.node \
+                    or any(n in self.nodes for n in self.leaving):
+                return
+            now = time.monotonic()
+            held = [n for n in self.nodes if n in slow and now - self.slow[n] >= links.SLOW_HOLD_S]
+            idle = self._idle()
+            if not held or not idle:
+                return
+            node, spare = held[0], idle[0]
+            own, others = slow[node]
+            why = (f"node {node}'s links are slow: an ask takes {own:g} ms against {others:g} ms between the "
+                   f"others (--slow-link-ms {self.opts.slow_link_ms:g}); node {spare} takes its slot")
+            self.events.emit("slow-node", why, node=node, link_ms=own, others_ms=others, spare=spare)
+            self._move(self.generation + 1, [spare if n == node else n for n in self.nodes], why)
 
     def _drop(self, silent: list[int], left: list[int], probed: bool = False) -> None:
         with self.cond:
@@ -72,7 +116,7 @@ class View:
         """Caller holds the lock.  Nodes outside the view that may be taken in, lowest first."""
         now = time.monotonic()
         return [n for n in range(self.opts.all_nodes) if n not in self.nodes and not self._gone(n)
-                and n not in self.finished and n not in self.leaving
+                and n not in self.finished and n not in self.leaving and n not in self.slow
                 and now - self.seen.get(n, -1e9) <= self.opts.node_grace]
 
     def _gone(self, n: int) -> bool:
