@@ -22,7 +22,8 @@ which can impair one link at a time) instead of a bridge, for both systems.  Rep
 system:
 
 * goodput: steps that count x the fault-free step time / wall time (launch to the job's end;
-  the fault-free step time is measured by a short run of the same system first);
+  the fault-free step time is measured by a short run of the same system first, hpct's without
+  standbys and spare);
 * lost time (wall minus counted) and its ratio, hpct against stock;
 * steps redone (max over ranks), and each fault's time to the next step of every rank;
 * how each fault ended, and whether the final parameters equal a fault-free run's bit for bit
@@ -65,7 +66,8 @@ def _alive(pid: int) -> bool:
 class Job:
     """One system's run of examples/ddp.py: start, current worker pids, end."""
 
-    def __init__(self, system: str, tmp: Path, ns, args, steps: int, step_time: float) -> None:
+    def __init__(self, system: str, tmp: Path, ns, args, steps: int, step_time: float,
+                 calibration: bool = False) -> None:
         self.system, self.tmp, self.ns, self.args = system, tmp, ns, args
         self.nodes, self.nproc = args.nodes, args.nproc
         self.world = self.nodes * self.nproc
@@ -76,7 +78,10 @@ class Job:
                        "--op-timeout", str(args.op_timeout)]
         self.procs: list[subprocess.Popen] = []
         self.agents = None
-        self.spares = int("node" in args.kinds or "lossy" in args.kinds) if system == "hpct" else 0
+        # The calibration times the training alone: a standby or a spare node is idle once warm,
+        # but on this machine its import of torch would land in the few steps that are timed.
+        self.standby = 0 if calibration else 1
+        self.spares = int("node" in args.kinds or "lossy" in args.kinds) if system == "hpct" and not calibration else 0
         self.lost: set[int] = set()          # nodes whose agent was killed (their exit code is -9)
         self.job_restarts = 0                # stock: the scheduler's restarts of the whole job
         self.returns: dict[int, float] = {}  # lost node -> when the scheduler has it back (--node-return-s)
@@ -87,7 +92,7 @@ class Job:
         if self.system == "hpct":
             from launch_cluster import Agents
             every = self.nodes + self.spares
-            flags = ["--nnodes", str(self.nodes), "--nproc-per-node", str(self.nproc), "--standby", "1",
+            flags = ["--nnodes", str(self.nodes), "--nproc-per-node", str(self.nproc), "--standby", str(self.standby),
                      "--spare-nodes", str(self.spares), "--rdzv-id", "goodput",
                      "--hosts", ",".join(n.address for n in self.ns[:every])]
             env["HPCT_CONNECT_TIMEOUT"] = "30"
@@ -237,11 +242,13 @@ def _first_step(job: Job, deadline: float) -> float:
     return time.time()
 
 
-def run(system: str, ns, args, steps: int, step_time: float, faults: list[gf.Fault], net=None) -> dict:
+def run(system: str, ns, args, steps: int, step_time: float, faults: list[gf.Fault], net=None,
+        calibration: bool = False) -> dict:
     """One job to its end, the faults applied on schedule; its step logs, records and faults.
-    ``net``: the lossy network (tests/lossy.py) whose links the ``lossy`` faults impair."""
+    ``net``: the lossy network (tests/lossy.py) whose links the ``lossy`` faults impair;
+    ``calibration``: hpct without standbys and spare (Job)."""
     tmp = Path(tempfile.mkdtemp(prefix=f"hpct-goodput-{system}-"))
-    job = Job(system, tmp, ns, args, steps, step_time)
+    job = Job(system, tmp, ns, args, steps, step_time, calibration)
     injected: list[dict] = []
     started = time.time()
     deadline = time.monotonic() + args.timeout
@@ -388,7 +395,8 @@ def main(argv=None) -> int:
     with network as net:        # + 1 node: hpct's spare
         ns = net.nodes if lossy else net
         for system in args.systems:
-            results[f"{system}-calibration"] = run(system, ns, args, CALIBRATION_STEPS, args.step_time, [])
+            results[f"{system}-calibration"] = run(system, ns, args, CALIBRATION_STEPS, args.step_time, [],
+                                                   calibration=True)
         step_s = {s: gf.fault_free_step_s(results[f"{s}-calibration"]["logs"])
                   if results[f"{s}-calibration"]["error"] is None else None for s in args.systems}
         known = [v for v in step_s.values() if v]

@@ -137,8 +137,11 @@ def outcome(fault: dict, logs, until: float = float("inf"), carried: frozenset =
     so the ranks the overlapped ones hit (``carried``) may change in this one's window too."""
     hit = hit_ranks(fault)
     members = _members(fault, logs)
-    lost = _lost_with_node(fault)
-    nexts = {r: min((s for s, t, _ in rows if t > fault["t"]), default=None) for r, rows in logs.items()}
+    left = _left_slow_node(fault, logs, members, until)
+    lost = _lost_with_node(fault) | left
+    # the survivors re-formed after the fault, or after a slow node's places last stepped
+    since = max([fault["t"]] + [logs[r][-1][1] for r in left])
+    nexts = {r: min((s for s, t, _ in rows if t > since), default=None) for r, rows in logs.items()}
     resumed = min((s for r, s in nexts.items() if s is not None and r in members - lost), default=None)
     # a spare's places (or a returned node's): outside the world at the fault, stepping from the
     # step the survivors re-formed at (after the one in flight at the fault; a later grow's is later)
@@ -186,6 +189,20 @@ def _lost_with_node(fault: dict) -> set[int]:
     """A lost node's places: gone with it, even where a step in flight at the kill still logged,
     or the node came back later and logs there again (--node-return-s)."""
     return set(fault.get("ranks") or []) if fault["kind"] == "node" else set()
+
+
+def _left_slow_node(fault: dict, logs, members: set[int], until: float) -> set[int]:
+    """A lossy fault's places that stopped stepping while the others went on, before ``until``:
+    hpct gave the slow node's slot to a spare (docs/launch.md), after a few slow steps."""
+    if fault["kind"] != "lossy":
+        return set()
+    hit = hit_ranks(fault) & members
+    last = {r: max((t for _, t, _ in logs.get(r, ())), default=float("-inf")) for r in members}
+    others = [last[r] for r in members - hit]
+    if not others:
+        return set()
+    horizon = min(until, max(others))
+    return {r for r in hit if last[r] < horizon - IN_FLIGHT_S}
 
 
 def _members(fault: dict, logs) -> set[int]:

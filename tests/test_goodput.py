@@ -77,6 +77,14 @@ def test_each_way_a_fault_can_end_is_told_apart():
     spare = _logs({0: [(1, 2.0, 10)], 1: [(1, 2.0, 21)], 2: [(1, 2.0, 31)]})
     assert gf.outcome(lossy, spare) == "a spare node took its ranks"
     assert gf.outcome(lossy, one) == "unexplained: ranks [1] have new processes, [1, 2] were on the lossy link"
+    # hpct gives the slow node's slot to the spare: its places step slowly for a while and stop, the
+    # survivors go on in their processes, and the spare's places step from the step after
+    evicted = _logs({0: [(0, 1.0, 10), (1, 2.0, 10), (2, 4.0, 10), (3, 5.0, 10), (4, 6.0, 10)],
+                     1: [(0, 1.0, 20), (1, 2.0, 20), (2, 4.0, 20)], 2: [(0, 1.0, 30), (1, 2.0, 30), (2, 4.0, 30)],
+                     3: [(3, 5.0, 40), (4, 6.0, 40)], 4: [(3, 5.0, 41), (4, 6.0, 41)]})
+    assert gf.outcome({**lossy, "pids": {0: 10, 1: 20, 2: 30}}, evicted) == "a spare node took its ranks"
+    assert gf.outcome({**lossy, "pids": {0: 10, 1: 20, 2: 30}}, evicted, until=4.5) == "rode through", \
+        "still stepping when the next fault came"
     # a lost node's places stop and a spare's places (no process at the fault) start stepping
     node = {**base, "kind": "node", "ranks": [1, 2], "pids": {0: 10, 1: 20, 2: 30}}
     taken = _logs({0: [(0, 1.0, 10), (1, 2.0, 10)], 1: [(0, 1.0, 20)], 2: [(0, 1.0, 30)],
