@@ -6,8 +6,10 @@ Every start writes OUT/start-<RANK>-<pid>.json with the environment the agent ga
 Modes: ``sleep S`` (then exit 0); ``fail CODE`` (exit at once, before joining: a worker that
 cannot start); ``joined-fail CODE`` (tell the agent its world formed, as hpct's backend does,
 then exit CODE: its own failure, retried by --max-restarts); ``term`` (on SIGTERM write
-OUT/term-<RANK>-<pid> and exit 0; otherwise sleep up to 60 s); ``until-replaced S`` (the first
-generation sleeps S, a replacement exits 0 at once).
+OUT/term-<RANK>-<pid> and exit 0; otherwise sleep up to 60 s); ``until-replaced S [J]`` (the first
+generation tells the agent its world formed after J seconds (default 0), as hpct's backend does,
+writes OUT/joined-<RANK>-<pid> with the time.time() of that, and sleeps until S; a replacement
+exits 0 at once).
 """
 
 import json
@@ -27,12 +29,18 @@ rank = os.environ["RANK"]
 if mode == "fail":
     print(f"worker {rank}: cannot start, on purpose", flush=True)
     sys.exit(int(arg))
-if mode == "joined-fail":
+
+
+def joined() -> None:
     place = int(rank)
     host = host_of(os.environ["HPCT_HOSTS"].split(","), place, int(os.environ["N_PROC_PER_NODE"]))
     wire.ask(host, int(os.environ["HPCT_AGENT_PORT"]),
              {"op": "joined", "place": place, "generation": int(os.environ["HPCT_GENERATION"]),
               "pid": os.getpid()}, 5.0)
+
+
+if mode == "joined-fail":
+    joined()
     print(f"worker {rank}: failing after joining, generation {os.environ['HPCT_GENERATION']}", flush=True)
     sys.exit(int(arg))
 if mode == "term":
@@ -43,6 +51,13 @@ if mode == "term":
     (out / f"ready-{rank}-{os.getpid()}").write_text("")
     time.sleep(60)
     sys.exit(5)
-if mode == "until-replaced" and int(os.environ["HPCT_GENERATION"]) > 0:
+if mode == "until-replaced":
+    if int(os.environ["HPCT_GENERATION"]) > 0:
+        sys.exit(0)
+    start, join_after = time.monotonic(), float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
+    time.sleep(join_after)
+    joined()
+    (out / f"joined-{rank}-{os.getpid()}").write_text(repr(time.time()))
+    time.sleep(max(0.0, float(arg) - (time.monotonic() - start)))
     sys.exit(0)
 time.sleep(float(arg))

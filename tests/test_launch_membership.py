@@ -16,7 +16,7 @@ import pytest
 from hpct.launch import membership, wire
 from hpct.launch.links import LinkTimes
 from hpct.launch.membership import Membership
-from hpct.launch.workers import no_shows
+from hpct.launch.workers import STANDBY_DEFER_S, no_shows, standbys_due
 
 pytestmark = pytest.mark.unit
 
@@ -281,3 +281,13 @@ def test_a_re_form_takes_a_peers_newer_view_and_waits_the_grace_for_a_silent_pee
     assert [f["message"] for e, f in b.events.seen if e == "node-lost"] == \
         ["node 2 did not answer a probe (a worker was waiting)"]
 
+
+def test_standbys_wait_for_the_first_start_to_form_its_world_or_a_bound():
+    first = [SimpleNamespace(joined=True, generation=0), SimpleNamespace(joined=False, generation=0)]
+    assert not standbys_due(first, started=100.0, now=101.0), "a worker of the first start has not formed"
+    assert standbys_due(first, started=100.0, now=100.0 + STANDBY_DEFER_S + 0.1), "a script that never tells"
+    first[1].joined = True
+    assert standbys_due(first, started=100.0, now=101.0)
+    replaced = [SimpleNamespace(joined=True, generation=0), SimpleNamespace(joined=False, generation=2)]
+    assert standbys_due(replaced, started=100.0, now=101.0), "a replacement used one: refill at once"
+    assert standbys_due([], started=100.0, now=101.0)

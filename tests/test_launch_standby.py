@@ -90,3 +90,26 @@ def test_a_replacement_without_standbys_says_it_started_cold_and_why(tmp_path):
     first, replacement = agents.events(0, "start")
     assert first["why"] == "cold: a first start (generation 0)"
     assert replacement["why"] == "cold: no standby is kept (--standby 0)" and replacement["warm"] is False
+
+
+def _started_s(pid: int) -> float:
+    """When a live process started, in seconds since the machine's boot (one clock for every process)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def test_standbys_start_only_once_the_workers_world_formed(tmp_path):
+    """A standby imports torch as the workers do: started beside them it takes their cores in the
+    job's start (on 2 cores, 4 nodes x 4 workers, a fifth of them).  So a node starts its standbys
+    once its workers told the agent that their world formed; a replacement then still starts warm."""
+    join_after = 3.0
+    with Agents(tmp_path, args(tmp_path, standby=1) + [str(join_after)]) as agents:
+        agents.start()
+        [ready] = agents.wait_event(0, "standby", LIMIT_S)
+        worker = agents.worker_pid(0, 0)
+        after = _started_s(ready["pid"]) - _started_s(worker)
+        assert after >= join_after - 0.02, f"the standby started {after:.2f} s after the worker, before its world formed"
+        assert list(tmp_path.glob(f"joined-0-{worker}")), "the worker told its agent"
+        os.kill(worker, signal.SIGKILL)
+        assert agents.wait(LIMIT_S) == [0], agents.output(0)
+    replacement = agents.events(0, "start")[-1]
+    assert replacement["warm"] is True and replacement["why"] == f"warm: standby pid {ready['pid']}", replacement

@@ -30,7 +30,7 @@ from .links import LinkTimes
 from .losses import Losses
 from .membership import ASK_TIMEOUT_S, JobEnd, Membership
 from .options import STOP_GRACE_S, RunOptions
-from .workers import Pool, Worker, stop
+from .workers import Pool, Worker, standbys_due, stop
 
 POLL_S = 0.02                 # worker exits are noticed within this
 FOLLOWS_S = 1.0               # a worker that asked about the view this recently follows a newer one itself
@@ -50,6 +50,7 @@ class NodeAgent(Losses, Membership):
         self.finished: set[int] = set()
         self.gone: dict[int, float] = {}         # node -> when this agent dropped it
         self.active = False                      # this node's workers hold its slot
+        self.took_slot = 0.0                     # when they started (monotonic)
         self.left_view = False                   # the view lost this node while its workers ran
         self.hellos: set[int] = set()            # nodes whose agents said hello to this one
         self.restarted = False                   # a peer knew this node's agent before this one
@@ -135,7 +136,7 @@ class NodeAgent(Losses, Membership):
                     self._move(self.generation + 1, self.nodes, f"node {self.node}'s agent came back")
             if self.node not in self.nodes:
                 self._idle_wait()
-            self.pool.fill()
+                self.pool.fill()         # a member's standbys wait for its workers' world (_watch)
             threading.Thread(target=self._heartbeat, name="hpct-agent-heartbeat", daemon=True).start()
             code = self._watch()
         except JobEnd as end:
@@ -175,7 +176,7 @@ class NodeAgent(Losses, Membership):
             gen = self.generation
         self.events.emit("admitted", f"node {self.node} holds a slot of generation {gen}: its workers start",
                          generation=gen)
-        self.active, self.pool.size = True, self.opts.standby
+        self.active, self.pool.size, self.took_slot = True, self.opts.standby, time.monotonic()
         for local in range(self.opts.nproc_per_node):
             self._start(local)
 
@@ -249,7 +250,8 @@ class NodeAgent(Losses, Membership):
             if lost:
                 self._replace(lost)
             self._reap_no_shows()
-            self.pool.fill()                  # standbys that died are reported and replaced (backoff)
+            if standbys_due(self.workers.values(), self.took_slot, time.monotonic()):
+                self.pool.fill()              # standbys that died are reported and replaced (backoff)
             if not self.workers:
                 self._tell_peers({"op": "leave", "node": self.node, "reason": "done"}, self._contacts())
                 self.events.emit("done", "every worker of this node finished", code=0)

@@ -37,6 +37,7 @@ class Worker:
 # A standby imports the interpreter's own packages, as the agent did: ``-m`` would put the working
 # folder first on sys.path, and a source checkout of hpct there (an ``hpct/`` folder without the
 # compiled extension) then shadowed the installed package and the standby died at its import.
+STANDBY_DEFER_S = 30.0     # a node's standbys start at the latest this long after its workers (standbys_due)
 STANDBY_ARGV = ("-c", "import sys; del sys.path[0]; from hpct.launch.standby import main; sys.exit(main())")
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 30.0     # between standbys that failed to warm or died waiting
 
@@ -130,6 +131,8 @@ class Pool:
         with self.lock:
             waiting = len(self.standbys)
             failure = self.last_failure
+        if not self.started:
+            return "cold: no standby started yet (they start once this node's workers formed their world)"
         text = f"cold: no standby was ready ({waiting} warming up"
         return text + (f"; the last failed: {failure})" if failure else ")")
 
@@ -160,6 +163,15 @@ class Pool:
             standbys, self.standbys = self.standbys, []
         for p in standbys:
             stop([p], 0.0)
+
+
+def standbys_due(workers, started: float, now: float) -> bool:
+    """Whether a node's standbys may start: once every worker its slot started with has formed its
+    world, or STANDBY_DEFER_S after they started (a script that starts its world with torch's own
+    init_process_group never tells).  A standby imports torch as the workers do; during their
+    start it would only take cores and file-system reads from them.  A worker lost before its world
+    formed starts cold; any replacement (generation above 0) is started and refilled at once."""
+    return all(w.joined or w.generation > 0 for w in workers) or now - started > STANDBY_DEFER_S
 
 
 def re_form_bound(w: Worker, default_s: float) -> float:
