@@ -196,6 +196,11 @@ def run_hpct(tmp: Path, nodes: int, nproc: int, standby: int, args, ns, tag: str
                 if ready:
                     agents.wait_event(n, "standby", max(1.0, deadline - time.monotonic()), count=ready)
             _wait_progress(out, victim, args.kill_step, deadline, alive, what)
+            from launch_cluster import progress
+            if (at := progress(out, victim)) >= args.steps - 2:
+                # standbys start once the world formed and warm for seconds: the job must outlast that
+                raise RuntimeError(f"{what}: rank {victim} was at step {at} of {args.steps} once the standbys were "
+                                   "warm, too late to measure a recovery: give more --steps or a longer --step-time")
             pids = {r: agents.worker_pid(r // nproc, r) for r in range(world)}
             if node_loss:
                 agent = agents.procs[nodes - 1].pid          # the node goes: its agent and all under it
@@ -409,14 +414,15 @@ def main(argv=None) -> int:
     ap.add_argument("--node-grace", type=float, default=1.0,
                     help="hpct run --node-grace: seconds of silence that make a node lost (hpct-node runs)")
     ap.add_argument("--kill-step", type=int, default=20, help="the last rank is killed after this many steps")
-    ap.add_argument("--steps", type=int, default=None, help="steps of the run (default: kill step + 10)")
+    ap.add_argument("--steps", type=int, default=None, help="steps of the run (default: kill step + 150: "
+                    "hpct's standbys start once the world formed and must be warm before the kill)")
     ap.add_argument("--step-time", type=float, default=0.05, help="seconds of simulated compute per step")
     ap.add_argument("--repeat", type=int, default=1, help="runs per configuration and launcher (median)")
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per run, start to end")
     ap.add_argument("--keep", action="store_true", help="keep every run's folder (logs, records); failed runs' always")
     ap.add_argument("--json", help="also write every run and the medians to this file")
     args = ap.parse_args(argv)
-    args.steps = args.steps if args.steps is not None else args.kill_step + 10
+    args.steps = args.steps if args.steps is not None else args.kill_step + 150
     args.run_index = 0
     configs = [_config(c) for c in args.config.split(",") if c]
     launchers = [x for x in args.launchers.split(",") if x]

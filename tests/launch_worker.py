@@ -9,7 +9,8 @@ then exit CODE: its own failure, retried by --max-restarts); ``term`` (on SIGTER
 OUT/term-<RANK>-<pid> and exit 0; otherwise sleep up to 60 s); ``until-replaced S [J]`` (the first
 generation tells the agent its world formed after J seconds (default 0), as hpct's backend does,
 writes OUT/joined-<RANK>-<pid> with the time.time() of that, and sleeps until S; a replacement
-exits 0 at once).
+exits 0 at once); ``finish-or-wait S`` (the first generation joins, sleeps S and exits 0; a
+replacement never joins and sleeps 120 s, as a worker waiting for a world that cannot form).
 """
 
 import json
@@ -51,6 +52,13 @@ if mode == "term":
     (out / f"ready-{rank}-{os.getpid()}").write_text("")
     time.sleep(60)
     sys.exit(5)
+if mode == "finish-or-wait":
+    if int(os.environ["HPCT_GENERATION"]) > 0:
+        time.sleep(120)
+        sys.exit(0)
+    joined()
+    time.sleep(float(arg))
+    sys.exit(0)
 if mode == "until-replaced":
     if int(os.environ["HPCT_GENERATION"]) > 0:
         sys.exit(0)

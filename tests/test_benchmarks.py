@@ -107,7 +107,8 @@ def test_profile_comm_benchmark_reports_overhead_and_accuracy():
 @pytest.mark.slow
 def test_launch_replaces_one_worker_in_place_where_torchrun_restarts_all(tmp_path):
     out = tmp_path / "launch.json"
-    text = _run("launch.py", "--config", "1x2", "--kill-step", "3", "--steps", "8",
+    # 200 steps: hpct's standby starts once the world formed, and the kill waits until it is warm
+    text = _run("launch.py", "--config", "1x2", "--kill-step", "3", "--steps", "200",
                 "--launchers", "hpct-standby,torchrun", "--json", str(out))
     doc = json.loads(out.read_text())
     assert doc["schema"] == 1 and doc["configs"][0]["config"] == "1x2"

@@ -254,6 +254,23 @@ def test_a_newcomer_that_cannot_join_before_the_job_ends_is_stopped_not_retried(
     assert not agents.events(3, "worker-lost"), agents.output(3)
 
 
+def test_a_replacement_is_stopped_when_a_worker_of_its_world_has_finished(tmp_path):
+    """A worker killed after the job's last collective: its peer on the same node finishes, so the
+    replacement's world can never form (a finished rank never comes to re-form).  The agent stops it
+    and ends with 0 instead of waiting for it until HPCT_CONNECT_TIMEOUT.  (Found by the launch
+    benchmark: the kill landed after the last step and the agent ran on for 176 s.)"""
+    with Agents(tmp_path, ["--nproc-per-node", "2", "--port-base", port_base(), WORKER, str(tmp_path),
+                           "finish-or-wait", "2"]) as agents:
+        agents.start()
+        agents.wait_event(0, "start", 30, count=2)
+        os.kill(agents.worker_pid(0, 1), signal.SIGKILL)
+        assert agents.wait(30) == [0], agents.output(0)
+    stopped = [e for e in agents.events(0, "exit") if "stopped" in e["message"]]
+    assert [e["rank"] for e in stopped] == [1], agents.output(0)
+    assert stopped[0]["message"].endswith("stopped: a worker of this node finished before it joined"), stopped
+    assert [e["generation"] for e in agents.events(0, "start")] == [0, 0, 1]
+
+
 def test_an_agent_restarted_within_the_grace_restarts_its_workers_as_replacements(tmp_path):
     """Node 2's agent and worker die and the agent is started again before the others drop the node:
     its peers know its agent said hello before, so it moves the view one generation on and starts

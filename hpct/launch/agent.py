@@ -51,6 +51,7 @@ class NodeAgent(Losses, Membership):
         self.gone: dict[int, float] = {}         # node -> when this agent dropped it
         self.active = False                      # this node's workers hold its slot
         self.took_slot = 0.0                     # when they started (monotonic)
+        self.finished_here = False               # a worker of this node exited 0: its world is over
         self.left_view = False                   # the view lost this node while its workers ran
         self.hellos: set[int] = set()            # nodes whose agents said hello to this one
         self.restarted = False                   # a peer knew this node's agent before this one
@@ -227,11 +228,13 @@ class NodeAgent(Losses, Membership):
                 continue
             lost, others_done = [], self._others_finished()
             for local, w in list(self.workers.items()):
-                if others_done and not w.joined and w.generation > 0:
-                    # A newcomer (grow, spare, replacement) whose world can no longer form.
+                if (others_done or self.finished_here) and not w.joined and w.generation > 0:
+                    # A newcomer (grow, spare, replacement) whose world can no longer form: a
+                    # finished rank never comes to re-form (killed after the job's last collective).
+                    who = "the job's other nodes" if others_done else "a worker of this node"
                     stop([w.proc], STOP_GRACE_S)
-                    self.events.emit("exit", f"rank {w.rank} pid {w.proc.pid} stopped: the job's other nodes "
-                                     "finished before it joined", rank=w.rank, code=0)
+                    self.events.emit("exit", f"rank {w.rank} pid {w.proc.pid} stopped: {who} finished before it "
+                                     "joined", rank=w.rank, code=0)
                     del self.workers[local]
                     continue
                 code = w.proc.poll()
@@ -239,6 +242,7 @@ class NodeAgent(Losses, Membership):
                     continue
                 if code == 0:
                     self.events.emit("exit", f"rank {w.rank} pid {w.proc.pid} finished", rank=w.rank, code=0)
+                    self.finished_here = True
                     del self.workers[local]
                     continue
                 with self.cond:

@@ -18,6 +18,7 @@ from typing import Mapping
 
 from ..config import Config
 from ..errors import LaunchError
+from .links import SLOW_FACTOR
 
 # Accepted for compatibility; the agents need none of them (no store, no root).
 UNUSED_FLAGS = ("--master-addr", "--master-port", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-conf",
@@ -37,8 +38,8 @@ REFUSED_FLAGS = {
 }
 DEFAULT_GRACE_S = 5.0          # an agent silent this long is a lost node
 STOP_GRACE_S = 10.0            # SIGTERM to workers, then SIGKILL after this
-# A node whose agent's asks take longer than this (and 4x the rest of the job's) gives its slot to a
-# spare (links.py).  Asks inside a data centre take well under 1 ms; 10 ms is a link gone bad.
+# A node whose agent's asks take longer than this (and SLOW_FACTOR times the rest of the job's) gives
+# its slot to a spare (links.py).  Asks inside a data centre take well under 1 ms; 10 ms is a link gone bad.
 DEFAULT_SLOW_LINK_MS = 10.0
 
 
@@ -85,7 +86,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     add("--port-base", type=int, default=None, help="HPCT_PORT_BASE for the job's port plan")
     add("--node-grace", type=float, default=DEFAULT_GRACE_S, help="seconds of silence that make a node lost")
     add("--slow-link-ms", type=float, default=DEFAULT_SLOW_LINK_MS, help="a node whose links are this slow "
-        "(the median agent ask, in ms) and 4x slower than the rest gives its ranks to an idle spare node; 0: never")
+        f"(the median agent ask, in ms) and {SLOW_FACTOR:g}x slower than the rest gives its ranks to an idle spare "
+        "node; 0: never")
     add("--log-dir", default=None, help="folder for per-worker logs (default: a new temporary folder)")
     add("--json", dest="json_log", default=None, help="write the event log as JSON lines to this file")
     for flag in UNUSED_FLAGS:

@@ -34,10 +34,10 @@ class Worker:
     reaped: bool = False         # killed as a no-show: its exit is the loss that replaces it
 
 
+STANDBY_DEFER_S = 30.0     # a node's standbys start at the latest this long after its workers (standbys_due)
 # A standby imports the interpreter's own packages, as the agent did: ``-m`` would put the working
 # folder first on sys.path, and a source checkout of hpct there (an ``hpct/`` folder without the
 # compiled extension) then shadowed the installed package and the standby died at its import.
-STANDBY_DEFER_S = 30.0     # a node's standbys start at the latest this long after its workers (standbys_due)
 STANDBY_ARGV = ("-c", "import sys; del sys.path[0]; from hpct.launch.standby import main; sys.exit(main())")
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 30.0     # between standbys that failed to warm or died waiting
 
