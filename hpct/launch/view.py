@@ -70,7 +70,8 @@ class View:
         """The lowest node of the view gives a member whose links stood out for SLOW_HOLD_S to an
         idle node whose links do not.  The member's workers stop when it sees the view (as a node
         that found itself dropped) and the idle node's start in its slot from warm standbys.
-        Without an idle node the job rides the slow link through: giving up ranks would cost more."""
+        Without an idle node the job rides the slow link through: slowness alone never shrinks the
+        world (a shrink changes its size, its data shards and its sums)."""
         with self.cond:
             if self.end is not None or not self.nodes or self.nodes[0] != self.node \
                     or any(n in self.nodes for n in self.leaving):
