@@ -122,6 +122,17 @@ def test_launch_replaces_one_worker_in_place_where_torchrun_restarts_all(tmp_pat
     assert "goal: with a standby, worker loss -> next step" in text, text
 
 
+def test_launch_refuses_a_kill_that_lands_after_the_jobs_last_step():
+    """8 steps end before hpct's standby is warm (it starts once the world formed): the benchmark
+    says so and exits 1, instead of killing a rank whose peers have finished."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "launch.py"), "--config", "1x2",
+                           "--kill-step", "3", "--steps", "8", "--launchers", "hpct-standby"],
+                          capture_output=True, text=True, timeout=120, cwd="/")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert re.search(r"rank 1 was at step [678] of 8 once the standbys were warm, too late to measure a recovery: "
+                     r"give more --steps or a longer --step-time", proc.stdout + proc.stderr), proc.stdout
+
+
 @pytest.mark.slow
 def test_launch_node_loss_shrinks_the_survivors_in_place_or_a_spare_takes_the_slot(tmp_path):
     from netns import unavailable_reason
