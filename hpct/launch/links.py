@@ -64,14 +64,16 @@ def slow_nodes(reports: Mapping[int, Mapping[int, float]], limit_ms: float) -> d
     if limit_ms <= 0:
         return {}
     links = [(a, b, ms) for a, row in reports.items() for b, ms in row.items() if a != b]
-    nodes = {n for a, b, _ in links for n in (a, b)}
+    mine: dict[int, list[float]] = {}
+    for a, b, ms in links:
+        mine.setdefault(a, []).append(ms)
+        mine.setdefault(b, []).append(ms)
     slow = {}
-    for n in sorted(nodes):
-        mine = [ms for a, b, ms in links if n in (a, b)]
+    for n in sorted(mine):
+        own = statistics.median(mine[n])
+        if own <= limit_ms:
+            continue            # the many healthy nodes: no pass over the whole job's links for them
         rest = [ms for a, b, ms in links if n not in (a, b)]
-        if not mine or not rest:
-            continue
-        own, others = statistics.median(mine), statistics.median(rest)
-        if own > limit_ms and own > SLOW_FACTOR * others:
+        if rest and own > SLOW_FACTOR * (others := statistics.median(rest)):
             slow[n] = (round(own, 1), round(others, 1))
     return slow
