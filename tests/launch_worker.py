@@ -10,7 +10,10 @@ OUT/term-<RANK>-<pid> and exit 0; otherwise sleep up to 60 s); ``until-replaced 
 generation tells the agent its world formed after J seconds (default 0), as hpct's backend does,
 writes OUT/joined-<RANK>-<pid> with the time.time() of that, and sleeps until S; a replacement
 exits 0 at once); ``finish-or-wait S`` (the first generation joins, sleeps S and exits 0; a
-replacement never joins and sleeps 120 s, as a worker waiting for a world that cannot form).
+replacement never joins and sleeps 120 s, as a worker waiting for a world that cannot form);
+``finish-or-re-form S`` (the first generation joins; rank 0 sleeps S and exits 0, the others ask the
+agent's view until it moves and go on asking for 120 s, as survivors re-forming; a replacement
+never joins and sleeps 120 s).
 """
 
 import json
@@ -58,6 +61,21 @@ if mode == "finish-or-wait":
         sys.exit(0)
     joined()
     time.sleep(float(arg))
+    sys.exit(0)
+if mode == "finish-or-re-form":
+    if int(os.environ["HPCT_GENERATION"]) > 0:
+        time.sleep(120)
+        sys.exit(0)
+    joined()
+    if rank == "0":
+        time.sleep(float(arg))
+        sys.exit(0)
+    host = host_of(os.environ["HPCT_HOSTS"].split(","), int(rank), int(os.environ["N_PROC_PER_NODE"]))
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        wire.ask(host, int(os.environ["HPCT_AGENT_PORT"]),
+                 {"op": "world", "place": int(rank), "formed": 0, "pid": os.getpid()}, 5.0)
+        time.sleep(0.2)
     sys.exit(0)
 if mode == "until-replaced":
     if int(os.environ["HPCT_GENERATION"]) > 0:

@@ -271,6 +271,24 @@ def test_a_replacement_is_stopped_when_a_worker_of_its_world_has_finished(tmp_pa
     assert [e["generation"] for e in agents.events(0, "start")] == [0, 0, 1]
 
 
+def test_a_survivor_re_forming_when_a_worker_of_its_node_finished_is_stopped(tmp_path):
+    """A worker killed in the job's final barrier: the barrier can let some ranks through (they
+    exit 0) while others fail it and re-form.  A finished rank never comes to re-form, so their
+    new world could never form: before, they waited for it until HPCT_CONNECT_TIMEOUT (300 s) and
+    then failed the job.  Now the agent stops them, as it stops the replacement, and ends with 0."""
+    with Agents(tmp_path, ["--nproc-per-node", "3", "--port-base", port_base(), WORKER, str(tmp_path),
+                           "finish-or-re-form", "3"]) as agents:
+        agents.start()
+        agents.wait_event(0, "start", 30, count=3)
+        os.kill(agents.worker_pid(0, 1), signal.SIGKILL)
+        assert agents.wait(30) == [0], agents.output(0)
+    stopped = {e["rank"]: e["message"] for e in agents.events(0, "exit") if "stopped" in e["message"]}
+    assert sorted(stopped) == [1, 2], agents.output(0)
+    assert stopped[1].endswith("stopped: a worker of this node finished before it joined"), stopped
+    assert stopped[2].endswith("stopped: a worker of this node finished while it re-formed"), stopped
+    assert [e["rank"] for e in agents.events(0, "exit") if e["message"].endswith("finished")] == [0]
+
+
 def test_an_agent_restarted_within_the_grace_restarts_its_workers_as_replacements(tmp_path):
     """Node 2's agent and worker die and the agent is started again before the others drop the node:
     its peers know its agent said hello before, so it moves the view one generation on and starts

@@ -30,7 +30,7 @@ from .links import LinkTimes
 from .losses import Losses
 from .membership import ASK_TIMEOUT_S, JobEnd, Membership
 from .options import STOP_GRACE_S, RunOptions
-from .workers import Pool, Worker, standbys_due, stop
+from .workers import Pool, Worker, standbys_due, stop, stranded
 
 POLL_S = 0.02                 # worker exits are noticed within this
 FOLLOWS_S = 1.0               # a worker that asked about the view this recently follows a newer one itself
@@ -228,13 +228,13 @@ class NodeAgent(Losses, Membership):
                 continue
             lost, others_done = [], self._others_finished()
             for local, w in list(self.workers.items()):
-                if (others_done or self.finished_here) and not w.joined and w.generation > 0:
-                    # A newcomer (grow, spare, replacement) whose world can no longer form: a
-                    # finished rank never comes to re-form (killed after the job's last collective).
+                if (others_done or self.finished_here) and (when := stranded(w, self.generation, self.broke_at)):
+                    # Killed after the job's last collective, or in its final barrier when the barrier
+                    # let some ranks through: the others' world can never form again.
                     who = "the job's other nodes" if others_done else "a worker of this node"
                     stop([w.proc], STOP_GRACE_S)
-                    self.events.emit("exit", f"rank {w.rank} pid {w.proc.pid} stopped: {who} finished before it "
-                                     "joined", rank=w.rank, code=0)
+                    self.events.emit("exit", f"rank {w.rank} pid {w.proc.pid} stopped: {who} finished {when}",
+                                     rank=w.rank, code=0)
                     del self.workers[local]
                     continue
                 code = w.proc.poll()

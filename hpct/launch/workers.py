@@ -194,6 +194,18 @@ def no_shows(workers, generation: int, broke_at: float | None, now: float, defau
             and w.proc.poll() is None]
 
 
+def stranded(w: Worker, generation: int, broke_at: float | None) -> str | None:
+    """Why ``w``'s next world can no longer form once a rank of the job finished (a finished rank
+    never comes to re-form; it left only after every rank had taken the last step), or None: a
+    newcomer (grow, spare, replacement) that has not joined, or a survivor that has asked the view
+    since the last move that broke its world (it re-forms)."""
+    if not w.joined:
+        return "before it joined" if w.generation > 0 else None
+    if w.formed < generation and broke_at is not None and w.watched >= broke_at:
+        return "while it re-formed"
+    return None
+
+
 def stop(procs: list[subprocess.Popen], grace: float) -> None:
     """SIGTERM each process group, SIGKILL what is left after ``grace`` seconds, reap all."""
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
