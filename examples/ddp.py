@@ -53,8 +53,10 @@ def batch(rank: int, step: int):
 
 
 def join(model, opt, step: int, healthy: bool) -> int:
-    """Agree the state: the lowest member that kept its state sends it (with the step) to all."""
-    src = hd.healthy_source(healthy)
+    """Agree the state: the lowest of the members furthest on that kept their state sends it (with
+    the step) to all.  A peer lost at a collective's very end lets some ranks take the step and not
+    others: the furthest state means nobody takes a step twice."""
+    src = hd.healthy_source(healthy, progress=step)
     extra = hd.broadcast_state(model, opt, src=src, extra={"step": step})
     return extra["step"]
 
@@ -105,7 +107,7 @@ def main() -> int:
         step = load_checkpoint(args.checkpoint, model, opt)
         record["resumed_at"] = step
     log = open(Path(args.out) / f"steps-{place}.log", "a", buffering=1) if args.out else None
-    while step < args.steps:
+    while True:
         try:
             if net is not None and args.backend == "hpct" and step % args.check_every == 0 \
                     and hd.membership_changed():
@@ -117,6 +119,9 @@ def main() -> int:
                 if must_join:
                     step = join(model, opt, step, healthy)
                 healthy, must_join, net = True, False, ddp(model)
+            if step >= args.steps:  # leave together: a peer lost now is recovered as in a step
+                dist.barrier()
+                break
             x, y = batch(dist.get_rank(), step)
             opt.zero_grad(set_to_none=True)
             nn.functional.mse_loss(net(x), y).backward()     # the gradient all_reduce
@@ -146,7 +151,6 @@ def main() -> int:
         path = Path(args.out) / f"rank{rank}-pid{os.getpid()}.json"
         path.with_suffix(".tmp").write_text(json.dumps(record))
         path.with_suffix(".tmp").replace(path)
-    dist.barrier()
     if args.backend == "hpct":
         hd.shutdown_all()
     else:

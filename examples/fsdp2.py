@@ -9,8 +9,9 @@ state, exist nowhere else, so only a checkpoint could bring them back.  HSDP (``
 shards live on in its replica peers' memory.  The recovery pattern is docs/launch.md's: abort,
 ``hd.recover()`` (the agent replaced the lost worker at the same rank), make the mesh and the
 sharded model again, and each rank takes its shards (parameters, momentum, the step) from the
-lowest member of its replicate group that kept them.  A job survives as long as every shard keeps
-one replica; losing all replicas of a shard ends it with that message.
+lowest member of its replicate group that kept them and is furthest on.  A job survives as long as
+every shard keeps one replica; losing all replicas of a shard, or a step that some replicate
+groups took and others did not (a torn step), ends it with that message.
 
 Recovery needs the same world size (replacements, or spare nodes): a shrink or a grow changes
 the mesh's shape, and the shards would have to be re-cut (a checkpoint's job).  ``--out DIR``
@@ -67,10 +68,19 @@ def shards(opt) -> dict:
 
 
 def join(mesh, opt, kept: dict | None, step: int) -> int:
-    """Each rank takes its shards from the lowest member of its replicate group that kept them."""
+    """Each rank takes its shards from the lowest member of its replicate group furthest on that kept
+    them.  A peer lost at a collective's very end can let some ranks take the step and not others
+    (a torn step): within a replicate group the furthest copy is taken, but if two groups' shards
+    are at different steps, the model is torn and this exits with that message."""
     group = mesh.get_group("replicate")
-    src = hd.healthy_source(kept is not None, group=group)
+    src = hd.healthy_source(kept is not None, group=group, progress=step)
     state = hd.broadcast_object({"shards": kept, "step": step}, src=src, group=group)
+    spread = torch.tensor([state["step"], -state["step"]], dtype=torch.int64)
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX)         # the furthest and the least far shard, at once
+    if spread[0] != -spread[1]:
+        raise SystemExit(f"fsdp2.py: a lost rank tore a step: some shards are at step {int(spread[0])} and "
+                         f"others at {int(-spread[1])}, and no replica holds the older copy; resume from "
+                         "a checkpoint")
     params = opt.param_groups[0]["params"]
     with torch.no_grad():
         for p, local, momentum in zip(params, state["shards"]["params"], state["shards"]["momentum"]):
@@ -99,13 +109,17 @@ def main() -> int:
     # A replacement holds no shards until it joins; everyone else starts equal (same seed).
     kept, step, model = None, 0, None
     fresh, synced = record["generation"] == 0, False      # synced: this rank's shards are the job's
-    while step < args.steps:
+    while True:
         try:
             if model is None:       # the first world, a recovery, or a replacement's first world
                 synced, (mesh, model, opt) = False, build(args.replicas)
                 if not fresh:
                     step = join(mesh, opt, kept, step)
                 fresh, synced = False, True
+            if step >= args.steps:  # leave together: a peer lost now is recovered as in a step
+                full = [p.full_tensor() for p in opt.param_groups[0]["params"]]
+                dist.barrier()
+                break
             x, y = batch(dist.get_rank(), step)
             opt.zero_grad(set_to_none=True)
             nn.functional.mse_loss(model(x), y).backward()   # reduce-scatter, then all-reduce over replicas
@@ -127,14 +141,12 @@ def main() -> int:
         if args.out:
             (Path(args.out) / f"progress-{rank}").write_text(str(step))
         time.sleep(args.step_time)
-    full = [p.full_tensor() for p in opt.param_groups[0]["params"]]
     record.update(digest=hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in full)).hexdigest(),
                   end=time.time())
     if args.out:
         path = Path(args.out) / f"rank{rank}-pid{os.getpid()}.json"
         path.with_suffix(".tmp").write_text(json.dumps(record))
         path.with_suffix(".tmp").replace(path)
-    dist.barrier()
     if args.backend == "hpct":
         hd.shutdown_all()
     else:

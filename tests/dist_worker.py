@@ -198,6 +198,19 @@ def run_cases(rank: int, n: int) -> dict:
         return buf
     case("send_recv", ring)
 
+    def healthy_source():
+        from hpct.distributed import healthy_source as pick
+        got = [pick(rank != 0, progress=[9, 7, 8, 8][rank]),     # rank 0 is furthest but lost its state
+               pick(True),
+               pick(rank in (1, 3), progress=5)]
+        for healthy, progress in ((False, 3), (True, -1)):
+            try:
+                got.append(pick(healthy, progress=progress))
+            except (RuntimeError, ValueError) as err:
+                got.append(f"{type(err).__name__}: {err}")
+        return got
+    case("healthy_source", healthy_source)
+
     def subgroup():
         g = dist.new_group([1, 3])
         if rank in (1, 3):

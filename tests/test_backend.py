@@ -97,6 +97,18 @@ def test_superset_results_are_right(runs):
             assert torch.equal(outs[src], values(src, r + 1, torch.float32, salt=10 * r))
 
 
+def test_healthy_source_takes_the_lowest_of_the_furthest_healthy_ranks(runs):
+    """After a peer lost at a collective's end some ranks may have taken the step and some not: the
+    state to spread is the furthest one, so nobody takes a step twice (the goodput soak saw one)."""
+    gloo, hpct, _ = runs
+    want = [2, 0, 1,
+            "RuntimeError: no rank of the group holds a healthy state to re-synchronise from",
+            f"ValueError: healthy_source: progress -1 is outside [0, {1 << 40}): pass the step count of this rank's state"]
+    for r in range(WORLD):
+        assert hpct[r]["results"]["healthy_source"] == want, r
+        assert gloo[r]["results"]["healthy_source"] == want, r
+
+
 def test_no_store_socket_only_plan_ports(runs):
     """No TCPStore: nothing on MASTER_PORT; every socket is a listener or peer link of the plan."""
     _, hpct, base = runs

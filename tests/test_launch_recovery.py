@@ -7,6 +7,7 @@ without faults by stock torchrun on Gloo: a replacement must change nothing.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 from hpct.ports import free_port_block
 from launch_cluster import Agents, progress, records
 from netns import netns_network, unavailable_reason
+from util import run_rank_script
 
 # serial: the profile measured it filling both cores or timing itself (ci/test.sh)
 pytestmark = pytest.mark.serial
@@ -26,6 +28,11 @@ pytestmark = pytest.mark.serial
 EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "ddp.py")
 FSDP2 = str(Path(EXAMPLE).with_name("fsdp2.py"))
 STEPS = ["--steps", "40", "--step-time", "0.03"]
+# A node starts its standby once its workers' world formed, and the standby imports torch while
+# they train: a job with one must outlast that import, or the kill lands after the last step (in
+# CI 40 steps of 0.03 s ended 0.1 s before the standby was ready, and the kill hit the final barrier).
+# Its 0.2 s sleep after the last step is also the window a test kills a worker in before it leaves.
+LONG_STEPS = ["--steps", "80", "--step-time", "0.2"]
 LIMIT_S = 180
 
 
@@ -50,12 +57,26 @@ def stock_digest(tmp: Path, nproc: int, script: str = EXAMPLE, steps: list[str] 
     return _STOCK[key]
 
 
-def wait_progress(agents: Agents, out: Path, rank: int, step: int, timeout: float = 120) -> None:
+def wait_progress(agents: Agents, out: Path, rank: int, step: int, timeout: float = 120, poll: float = 0.05) -> None:
     end = time.monotonic() + timeout
     while progress(out, rank) < step:
         assert time.monotonic() < end, agents.output(0)[-3000:]
         assert all(p.poll() is None for p in agents.procs), [agents.output(n) for n in range(agents.nodes)]
-        time.sleep(0.05)
+        time.sleep(poll)
+
+
+def kill_once_warm(agents: Agents, out: Path, node: int, rank: int, sig: int = signal.SIGKILL) -> int:
+    """Send ``sig`` to ``rank``'s worker once node ``node`` has a standby ready and the rank has
+    stepped 10 times (a run of LONG_STEPS); fails, rather than kill at the job's end, when the
+    standby came too late."""
+    agents.wait_event(node, "standby", 120)
+    wait_progress(agents, out, rank, 10)
+    at, total = progress(out, rank), int(LONG_STEPS[1])
+    assert at <= total - 20, (f"the standby was ready only at step {at} of {total}: a kill now lands at the "
+                              "job's end; give LONG_STEPS more steps")
+    pid = agents.worker_pid(node, rank)
+    os.kill(pid, sig)
+    return pid
 
 
 def check_replaced(agents: Agents, out: Path, victim: int, world: int, expect: str) -> list[dict]:
@@ -82,21 +103,40 @@ def check_replaced(agents: Agents, out: Path, victim: int, world: int, expect: s
 @pytest.mark.slow
 def test_a_killed_worker_is_replaced_from_a_standby_and_nobody_else_restarts(tmp_path):
     # Without a standby the same path runs in the two-node and the Slurm tests.
-    expect = stock_digest(tmp_path, 3)
+    expect = stock_digest(tmp_path, 3, steps=LONG_STEPS)
     out = tmp_path / "out"
     out.mkdir()
     args = ["--nproc-per-node", "3", "--standby", "1", "--port-base", str(free_port_block(2 * 8 * 3 + 2)),
-            EXAMPLE, *STEPS, "--out", str(out)]
+            EXAMPLE, *LONG_STEPS, "--out", str(out)]
     with Agents(tmp_path, args) as agents:
         agents.start()
-        agents.wait_event(0, "standby", 120)
-        wait_progress(agents, out, 1, 10)
-        os.kill(agents.worker_pid(0, 1), signal.SIGKILL)
+        kill_once_warm(agents, out, 0, 1)
         assert agents.wait(LIMIT_S) == [0], agents.output(0)
     check_replaced(agents, out, 1, 3, expect)
     replacement = agents.events(0, "start")[-1]
     assert replacement["rank"] == 1 and replacement["warm"] is True
     assert replacement["pid"] in {e["pid"] for e in agents.events(0, "standby")}
+
+
+@pytest.mark.multiprocess
+def test_a_worker_killed_after_the_last_step_is_replaced_and_the_job_ends_clean(tmp_path):
+    """Rank 1 is killed in its sleep after the last step, before the job's final barrier.  Before:
+    the others' final barrier failed outside the recovery loop, they exited 1 and a job that had
+    taken every step ended failed.  Now leaving is part of the loop: they recover, the replacement
+    takes the final state, and all leave with the fault-free digest."""
+    expect = stock_digest(tmp_path, 3, steps=LONG_STEPS)
+    out = tmp_path / "out"
+    out.mkdir()
+    last = int(LONG_STEPS[1])
+    args = ["--nproc-per-node", "3", "--port-base", str(free_port_block(2 * 8 * 3 + 2)),
+            EXAMPLE, *LONG_STEPS, "--out", str(out)]
+    with Agents(tmp_path, args) as agents:
+        agents.start()
+        wait_progress(agents, out, 1, last, poll=0.005)     # then it sleeps 0.2 s: poll finer than that
+        os.kill(agents.worker_pid(0, 1), signal.SIGKILL)
+        assert agents.wait(LIMIT_S) == [0], agents.output(0)
+    recs = check_replaced(agents, out, 1, 3, expect)
+    assert {r["recoveries"][0]["at_step"] for r in recs if r["generation"] == 0} == {last}
 
 
 @pytest.mark.multihost
@@ -120,6 +160,46 @@ def test_two_nodes_replace_a_killed_worker(tmp_path):
         assert agents.events(0, "view")[-1]["generation"] == 1, "node 0 learnt the new generation"
 
 
+JOIN_SCRIPT = """
+import importlib.util, json, sys
+import torch.distributed as dist
+import hpct.distributed as hd
+spec = importlib.util.spec_from_file_location("fsdp2", sys.argv[1])
+fsdp2 = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(fsdp2)
+hd.init_process_group(timeout=60)
+rank = dist.get_rank()
+mesh, model, opt = fsdp2.build(2)
+got = []
+for case in sys.argv[2:]:
+    steps = [int(s) for s in case.split(",")]
+    try:
+        got.append(fsdp2.join(mesh, opt, None if rank == 3 else fsdp2.shards(opt), steps[rank]))
+    except SystemExit as err:
+        got.append(str(err))
+print("JOINED " + json.dumps(got), flush=True)
+dist.barrier()
+hd.shutdown_all()
+"""
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_join_takes_the_furthest_replica_and_exits_on_a_torn_step(tmp_path):
+    """examples/fsdp2.py's join after rank 3 was lost, with the steps the survivors' states reached.
+    Mesh replicate x shard: replicate groups {0, 2} and {1, 3}.  A peer lost at a collective's end
+    lets some ranks step and not others: within a group the furthest copy wins (nobody steps
+    twice); when the two groups' shards are at different steps the model is torn, and the job
+    must end with that message rather than train on it."""
+    cases = ["6,6,6,0", "5,6,6,0", "6,5,6,0"]
+    codes, outputs = run_rank_script(tmp_path, JOIN_SCRIPT, [FSDP2, *cases], 4, 120)
+    assert codes == {r: 0 for r in range(4)}, outputs
+    torn = ("fsdp2.py: a lost rank tore a step: some shards are at step 6 and others at 5, and no "
+            "replica holds the older copy; resume from a checkpoint")
+    for out in outputs:
+        [line] = [ln for ln in out.splitlines() if ln.startswith("JOINED ")]
+        assert json.loads(line[len("JOINED "):]) == [6, 6, torn], out
+
+
 @pytest.mark.multihost
 @pytest.mark.slow
 def test_an_fsdp2_hsdp_job_replaces_a_killed_worker_from_its_replicas_shards(tmp_path):
@@ -128,17 +208,15 @@ def test_an_fsdp2_hsdp_job_replaces_a_killed_worker_from_its_replicas_shards(tmp
     the full parameters of a fault-free stock run, bit for bit."""
     if (why := unavailable_reason()) is not None:
         pytest.skip(why)
-    expect = stock_digest(tmp_path, 4, FSDP2)
+    expect = stock_digest(tmp_path, 4, FSDP2, LONG_STEPS)
     out = tmp_path / "out"
     out.mkdir()
     with netns_network(2, name_prefix="hpct-run", subnet="10.236.0") as ns:
         args = ["--nnodes", "2", "--nproc-per-node", "2", "--standby", "1",
-                "--hosts", ",".join(n.address for n in ns), FSDP2, *STEPS, "--out", str(out)]
+                "--hosts", ",".join(n.address for n in ns), FSDP2, *LONG_STEPS, "--out", str(out)]
         with Agents(tmp_path, args, nodes=2, namespaces=ns) as agents:
             agents.start()
-            agents.wait_event(1, "standby", 120)
-            wait_progress(agents, out, 3, 10)
-            os.kill(agents.worker_pid(1, 3), signal.SIGKILL)
+            kill_once_warm(agents, out, 1, 3)
             assert agents.wait(LIMIT_S) == [0, 0], agents.output(0) + agents.output(1)
         check_replaced(agents, out, 3, 4, expect)
         replacement = [e for e in agents.events(1, "start") if e["generation"] > 0]
@@ -266,18 +344,15 @@ def test_a_hung_worker_is_killed_when_its_peers_re_form_and_a_replacement_takes_
     HPCT_CONNECT_TIMEOUT (300 s), raised RendezvousError and were restarted into the same wait,
     while the stopped worker never exited: the job stalled, then ended.  Now its agent kills it
     one op timeout after the move, the loss path replaces it, and the run ends bit-identical."""
-    expect = stock_digest(tmp_path, 3)
+    expect = stock_digest(tmp_path, 3, steps=LONG_STEPS)
     out = tmp_path / "out"
     out.mkdir()
     args = ["--nproc-per-node", "3", "--standby", "1", "--node-grace", "1",
             "--port-base", str(free_port_block(2 * 8 * 3 + 2)),
-            EXAMPLE, *STEPS, "--op-timeout", "3", "--out", str(out)]
+            EXAMPLE, *LONG_STEPS, "--op-timeout", "3", "--out", str(out)]
     with Agents(tmp_path, args) as agents:
         agents.start()
-        agents.wait_event(0, "standby", 120)
-        wait_progress(agents, out, 1, 10)
-        hung = agents.worker_pid(0, 1)
-        os.kill(hung, signal.SIGSTOP)
+        hung = kill_once_warm(agents, out, 0, 1, signal.SIGSTOP)
         try:
             assert agents.wait(LIMIT_S) == [0], agents.output(0)
         finally:

@@ -78,7 +78,7 @@ def rejoin(log, model, opt, step, *, healthy, recover_first, args):
             if recover_first or attempt:
                 hd.recover()
             t_rec = time.time()
-            src = hd.healthy_source(healthy)
+            src = hd.healthy_source(healthy, progress=step)
             extra = hd.broadcast_state(model, opt, src=src, extra={"step": step} if healthy else None)
             ddp = wrap(model)
             log.event("recovered" if healthy else "synced", step=extra["step"],

@@ -9,16 +9,32 @@ import torch.distributed as dist
 
 from .ops import to_bytes
 
+# Steps a state may have reached: key * world size stays far inside int64 up to 2**20 ranks.
+_PROGRESS_LIMIT = 1 << 40
 
-def healthy_source(healthy: bool, group=None) -> int:
-    """The lowest rank that calls with ``healthy=True`` (every rank of ``group`` must call)."""
+
+def healthy_source(healthy: bool, group=None, progress: int | None = None) -> int:
+    """The lowest rank that calls with ``healthy=True`` (every rank of ``group`` must call).
+
+    ``progress`` (the step a rank's state has reached) picks, among the healthy ranks, the lowest
+    of those furthest on.  A peer lost at the end of a collective can let some ranks finish the
+    step while others fail it: taking the furthest state means nobody redoes a step it already
+    took (the members' states are equal at equal steps, so any of them is as good).
+    """
     n = dist.get_world_size(group)
-    mine = torch.tensor([dist.get_rank(group) if healthy else n], dtype=torch.int64)
+    if progress is not None and not 0 <= progress < _PROGRESS_LIMIT:
+        raise ValueError(f"healthy_source: progress {progress} is outside [0, {_PROGRESS_LIMIT}): "
+                         "pass the step count of this rank's state")
+    # One MIN all-reduce orders by (furthest progress, lowest rank); a key past every healthy one
+    # marks "not healthy".
+    ahead = _PROGRESS_LIMIT - 1 - (progress or 0)
+    mine = torch.tensor([ahead * n + dist.get_rank(group) if healthy else _PROGRESS_LIMIT * n],
+                        dtype=torch.int64)
     dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=group)
-    src = int(mine.item())
-    if src >= n:
+    key = int(mine.item())
+    if key >= _PROGRESS_LIMIT * n:
         raise RuntimeError("no rank of the group holds a healthy state to re-synchronise from")
-    return src
+    return key % n
 
 
 def broadcast_object(obj, src: int, group=None):
