@@ -254,20 +254,26 @@ def test_a_newcomer_that_cannot_join_before_the_job_ends_is_stopped_not_retried(
     assert not agents.events(3, "worker-lost"), agents.output(3)
 
 
+def kill_rank_1_before_a_finish(tmp_path, nproc: int, mode: str) -> tuple[Agents, dict[int, str]]:
+    """tests/launch_worker.py's ``mode`` on one node (rank 0 exits 0 after 2-3 s), rank 1 SIGKILLed
+    once all started; the agent must end with 0 within 30 s.  Returns the stopped ranks' messages."""
+    with Agents(tmp_path, ["--nproc-per-node", str(nproc), "--port-base", port_base(), WORKER, str(tmp_path),
+                           mode, str(nproc)]) as agents:
+        agents.start()
+        agents.wait_event(0, "start", 30, count=nproc)
+        os.kill(agents.worker_pid(0, 1), signal.SIGKILL)
+        assert agents.wait(30) == [0], agents.output(0)
+    return agents, {e["rank"]: e["message"] for e in agents.events(0, "exit") if "stopped" in e["message"]}
+
+
 def test_a_replacement_is_stopped_when_a_worker_of_its_world_has_finished(tmp_path):
     """A worker killed after the job's last collective: its peer on the same node finishes, so the
     replacement's world can never form (a finished rank never comes to re-form).  The agent stops it
     and ends with 0 instead of waiting for it until HPCT_CONNECT_TIMEOUT.  (Found by the launch
     benchmark: the kill landed after the last step and the agent ran on for 176 s.)"""
-    with Agents(tmp_path, ["--nproc-per-node", "2", "--port-base", port_base(), WORKER, str(tmp_path),
-                           "finish-or-wait", "2"]) as agents:
-        agents.start()
-        agents.wait_event(0, "start", 30, count=2)
-        os.kill(agents.worker_pid(0, 1), signal.SIGKILL)
-        assert agents.wait(30) == [0], agents.output(0)
-    stopped = [e for e in agents.events(0, "exit") if "stopped" in e["message"]]
-    assert [e["rank"] for e in stopped] == [1], agents.output(0)
-    assert stopped[0]["message"].endswith("stopped: a worker of this node finished before it joined"), stopped
+    agents, stopped = kill_rank_1_before_a_finish(tmp_path, 2, "finish-or-wait")
+    assert sorted(stopped) == [1], agents.output(0)
+    assert stopped[1].endswith("stopped: a worker of this node finished before it joined"), stopped
     assert [e["generation"] for e in agents.events(0, "start")] == [0, 0, 1]
 
 
@@ -276,13 +282,7 @@ def test_a_survivor_re_forming_when_a_worker_of_its_node_finished_is_stopped(tmp
     exit 0) while others fail it and re-form.  A finished rank never comes to re-form, so their
     new world could never form: before, they waited for it until HPCT_CONNECT_TIMEOUT (300 s) and
     then failed the job.  Now the agent stops them, as it stops the replacement, and ends with 0."""
-    with Agents(tmp_path, ["--nproc-per-node", "3", "--port-base", port_base(), WORKER, str(tmp_path),
-                           "finish-or-re-form", "3"]) as agents:
-        agents.start()
-        agents.wait_event(0, "start", 30, count=3)
-        os.kill(agents.worker_pid(0, 1), signal.SIGKILL)
-        assert agents.wait(30) == [0], agents.output(0)
-    stopped = {e["rank"]: e["message"] for e in agents.events(0, "exit") if "stopped" in e["message"]}
+    agents, stopped = kill_rank_1_before_a_finish(tmp_path, 3, "finish-or-re-form")
     assert sorted(stopped) == [1, 2], agents.output(0)
     assert stopped[1].endswith("stopped: a worker of this node finished before it joined"), stopped
     assert stopped[2].endswith("stopped: a worker of this node finished while it re-formed"), stopped
