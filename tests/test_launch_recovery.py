@@ -31,8 +31,8 @@ STEPS = ["--steps", "40", "--step-time", "0.03"]
 # A node starts its standby once its workers' world formed, and the standby imports torch while
 # they train: a job with one must outlast that import, or the kill lands after the last step (in
 # CI 40 steps of 0.03 s ended 0.1 s before the standby was ready, and the kill hit the final barrier).
-# Its 0.2 s sleep after the last step is also the window a test kills a worker in before it leaves.
-LONG_STEPS = ["--steps", "80", "--step-time", "0.2"]
+# Its 0.15 s sleep after the last step is also the window a test kills a worker in before it leaves.
+LONG_STEPS = ["--steps", "50", "--step-time", "0.15"]
 LIMIT_S = 180
 
 
@@ -132,7 +132,7 @@ def test_a_worker_killed_after_the_last_step_is_replaced_and_the_job_ends_clean(
             EXAMPLE, *LONG_STEPS, "--out", str(out)]
     with Agents(tmp_path, args) as agents:
         agents.start()
-        wait_progress(agents, out, 1, last, poll=0.005)     # then it sleeps 0.2 s: poll finer than that
+        wait_progress(agents, out, 1, last, poll=0.005)     # then it sleeps 0.15 s: poll finer than that
         os.kill(agents.worker_pid(0, 1), signal.SIGKILL)
         assert agents.wait(LIMIT_S) == [0], agents.output(0)
     recs = check_replaced(agents, out, 1, 3, expect)

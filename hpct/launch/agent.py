@@ -228,7 +228,7 @@ class NodeAgent(Losses, Membership):
                 continue
             lost, others_done = [], self._others_finished()
             for local, w in list(self.workers.items()):
-                if (others_done or self.finished_here) and (when := stranded(w, self.generation, self.broke_at)):
+                if (others_done or self.finished_here) and (when := stranded(w)):
                     # Killed after the job's last collective, or in its final barrier when the barrier
                     # let some ranks through: the others' world can never form again.
                     who = "the job's other nodes" if others_done else "a worker of this node"

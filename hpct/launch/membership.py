@@ -59,11 +59,12 @@ class Membership(View):
                     if w.proc.pid == req.get("pid") or (w.place == req.get("place")
                                                         and w.generation == req.get("generation")):
                         w.joined, w.formed = True, max(w.formed, int(req.get("generation", -1)))
+                        w.re_forming = False
                         if isinstance(req.get("op_timeout"), (int, float)):
                             w.op_timeout = float(req["op_timeout"])
             return {"ok": True}
         if op == "world":
-            self._watching(req.get("pid"))
+            self._watching(req.get("pid"), re_forming=True)
             return self._answer_world(int(req.get("place", -1)), int(req.get("formed", -1)))
         if op == "peek":
             with self.cond:
@@ -71,12 +72,14 @@ class Membership(View):
                 return self._world_of(int(req.get("place", -1)))
         return {"error": f"unknown request {op!r}"}
 
-    def _watching(self, pid) -> None:
-        """A worker that asks about the view follows a newer one itself: note when it last asked."""
+    def _watching(self, pid, re_forming: bool = False) -> None:
+        """A worker that asks about the view follows a newer one itself: note when it last asked,
+        and whether it asked for a new world (recover(): its own failed)."""
         with self.cond:
             for w in self.workers.values():
                 if pid is not None and w.proc.pid == pid:
                     w.watched = time.monotonic()
+                    w.re_forming = w.re_forming or re_forming
 
     def _hello(self, req: dict) -> dict:
         o, mine, node = self.opts, self._identity(), req.get("node")

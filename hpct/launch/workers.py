@@ -30,6 +30,7 @@ class Worker:
     joined: bool = False         # its world group formed (it told the agent)
     watched: float = 0.0         # when it last asked the agent's view while connecting (monotonic)
     formed: int = -1             # the generation its world last formed in (it told the agent)
+    re_forming: bool = False     # it asked for a new world (recover()) and has not formed one since
     op_timeout: float | None = None   # its world's op timeout, seconds (it told the agent)
     reaped: bool = False         # killed as a no-show: its exit is the loss that replaces it
 
@@ -194,16 +195,14 @@ def no_shows(workers, generation: int, broke_at: float | None, now: float, defau
             and w.proc.poll() is None]
 
 
-def stranded(w: Worker, generation: int, broke_at: float | None) -> str | None:
+def stranded(w: Worker) -> str | None:
     """Why ``w``'s next world can no longer form once a rank of the job finished (a finished rank
     never comes to re-form; it left only after every rank had taken the last step), or None: a
-    newcomer (grow, spare, replacement) that has not joined, or a survivor that has asked the view
-    since the last move that broke its world (it re-forms)."""
+    newcomer (grow, spare, replacement) that has not joined, or a worker that re-forms after its
+    world failed."""
     if not w.joined:
         return "before it joined" if w.generation > 0 else None
-    if w.formed < generation and broke_at is not None and w.watched >= broke_at:
-        return "while it re-formed"
-    return None
+    return "while it re-formed" if w.re_forming else None
 
 
 def stop(procs: list[subprocess.Popen], grace: float) -> None:
