@@ -112,6 +112,23 @@ def test_a_slow_member_keeps_its_slot_unless_a_healthy_idle_node_and_the_lowest_
     assert lead._judge_links() == {} and lead.slow == {}, "a link that healed starts the hold again"
 
 
+def test_when_the_lowest_member_is_slow_the_next_one_gives_its_slot():
+    """The 30-minute soak: node 1, first in the view [1, 4, 2, 3], was the slow one and moved the
+    view without itself.  Only members push views, so nobody heard it; its workers stopped, the
+    others re-formed with node 1 again, it dropped itself again, and they waited for its workers
+    until their connect deadline ended the job.  The lowest member that is not slow moves now."""
+    slowpoke, lead = Agent(0), Agent(1)         # nodes [0, 1, 2], spare 3; node 0's port is slow
+    for agent in (slowpoke, lead):
+        feed(agent, reports(0, [0, 1, 2], idle=(3,)))
+        agent._judge_links()
+        agent.slow[0] -= SLOW_HOLD_S
+        agent._give_slow_slot(agent._judge_links())
+    assert (slowpoke.generation, slowpoke.nodes) == (0, [0, 1, 2]), "the slow node does not move the view"
+    assert (lead.generation, lead.nodes) == (1, [3, 1, 2]) and lead.end is None
+    slowpoke._merge(lead.generation, lead.nodes, sender=1)
+    assert slowpoke.node not in slowpoke.nodes and slowpoke.generation == 1, "it hears the view and follows"
+
+
 def test_a_spare_behind_a_slow_port_is_not_taken_in():
     lead = Agent(0)
     feed(lead, reports(3, [0, 1, 2], idle=(3,)))

@@ -67,13 +67,17 @@ class View:
             return slow
 
     def _give_slow_slot(self, slow: dict[int, tuple[float, float]]) -> None:
-        """The lowest node of the view gives a member whose links stood out for SLOW_HOLD_S to an
-        idle node whose links do not.  The member's workers stop when it sees the view (as a node
-        that found itself dropped) and the idle node's start in its slot from warm standbys.
-        Without an idle node the job rides the slow link through: slowness alone never shrinks the
-        world (a shrink changes its size, its data shards and its sums)."""
+        """The lowest node of the view whose own links are not slow gives a member whose links
+        stood out for SLOW_HOLD_S to an idle node whose links do not.  The member's workers stop
+        when it sees the view (as a node that found itself dropped) and the idle node's start in
+        its slot from warm standbys.  Without an idle node the job rides the slow link through:
+        slowness alone never shrinks the world (a shrink changes its size, its data shards and its
+        sums).  The slow node never moves the view itself: only members push a view, so a view
+        without it would reach nobody, while its own workers stopped (the 30-minute soak: node 1,
+        the view's lowest, did so twice, and the others waited for its workers until the job ended)."""
         with self.cond:
-            if self.end is not None or not self.nodes or self.nodes[0] != self.node \
+            movers = [n for n in self.nodes if n not in slow]
+            if self.end is not None or not movers or movers[0] != self.node \
                     or any(n in self.nodes for n in self.leaving):
                 return
             now = time.monotonic()
