@@ -35,12 +35,13 @@ if mode == "fail":
     sys.exit(int(arg))
 
 
+def ask_agent(request: dict) -> dict:
+    host = host_of(os.environ["HPCT_HOSTS"].split(","), int(rank), int(os.environ["N_PROC_PER_NODE"]))
+    return wire.ask(host, int(os.environ["HPCT_AGENT_PORT"]), {**request, "place": int(rank), "pid": os.getpid()}, 5.0)
+
+
 def joined() -> None:
-    place = int(rank)
-    host = host_of(os.environ["HPCT_HOSTS"].split(","), place, int(os.environ["N_PROC_PER_NODE"]))
-    wire.ask(host, int(os.environ["HPCT_AGENT_PORT"]),
-             {"op": "joined", "place": place, "generation": int(os.environ["HPCT_GENERATION"]),
-              "pid": os.getpid()}, 5.0)
+    ask_agent({"op": "joined", "generation": int(os.environ["HPCT_GENERATION"])})
 
 
 if mode == "joined-fail":
@@ -55,26 +56,17 @@ if mode == "term":
     (out / f"ready-{rank}-{os.getpid()}").write_text("")
     time.sleep(60)
     sys.exit(5)
-if mode == "finish-or-wait":
+if mode in ("finish-or-wait", "finish-or-re-form"):
     if int(os.environ["HPCT_GENERATION"]) > 0:
         time.sleep(120)
         sys.exit(0)
     joined()
-    time.sleep(float(arg))
-    sys.exit(0)
-if mode == "finish-or-re-form":
-    if int(os.environ["HPCT_GENERATION"]) > 0:
-        time.sleep(120)
-        sys.exit(0)
-    joined()
-    if rank == "0":
+    if mode == "finish-or-wait" or rank == "0":
         time.sleep(float(arg))
         sys.exit(0)
-    host = host_of(os.environ["HPCT_HOSTS"].split(","), int(rank), int(os.environ["N_PROC_PER_NODE"]))
     end = time.monotonic() + 120
     while time.monotonic() < end:
-        wire.ask(host, int(os.environ["HPCT_AGENT_PORT"]),
-                 {"op": "world", "place": int(rank), "formed": 0, "pid": os.getpid()}, 5.0)
+        ask_agent({"op": "world", "formed": 0})
         time.sleep(0.2)
     sys.exit(0)
 if mode == "until-replaced":

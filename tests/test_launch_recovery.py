@@ -30,7 +30,7 @@ FSDP2 = str(Path(EXAMPLE).with_name("fsdp2.py"))
 STEPS = ["--steps", "40", "--step-time", "0.03"]
 # A node starts its standby once its workers' world formed, and the standby imports torch while
 # they train: a job with one must outlast that import, or the kill lands after the last step (in
-# CI 40 steps of 0.03 s ended 0.1 s before the standby was ready, and the kill hit the final barrier).
+# CI 40 steps of 0.03 s ended 0.03 s before the standby was ready, and the kill hit the final barrier).
 # Its 0.15 s sleep after the last step is also the window a test kills a worker in before it leaves.
 LONG_STEPS = ["--steps", "50", "--step-time", "0.15"]
 LIMIT_S = 180
