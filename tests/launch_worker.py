@@ -13,7 +13,10 @@ exits 0 at once); ``finish-or-wait S`` (the first generation joins, sleeps S and
 replacement never joins and sleeps 120 s, as a worker waiting for a world that cannot form);
 ``finish-or-re-form S`` (the first generation joins; rank 0 sleeps S and exits 0, the others ask the
 agent's view until it moves and go on asking for 120 s, as survivors re-forming; a replacement
-never joins and sleeps 120 s).
+never joins and sleeps 120 s); ``re-form-or-hang T`` (the first generation joins with an op
+timeout of T s; rank 1 writes OUT/ready-<pid> and sleeps 120 s, as a hung worker; rank 0 waits for
+OUT/go, asks the agent for a new world as recover() does after a failed collective, joins it and
+watches the view until it moves again, then exits 0; a replacement exits 0 at once).
 """
 
 import json
@@ -40,8 +43,17 @@ def ask_agent(request: dict) -> dict:
     return wire.ask(host, int(os.environ["HPCT_AGENT_PORT"]), {**request, "place": int(rank), "pid": os.getpid()}, 5.0)
 
 
-def joined() -> None:
-    ask_agent({"op": "joined", "generation": int(os.environ["HPCT_GENERATION"])})
+def joined(generation: int | None = None, **told) -> None:
+    gen = int(os.environ["HPCT_GENERATION"]) if generation is None else generation
+    ask_agent({"op": "joined", "generation": gen, **told})
+
+
+def wait_for(path: Path, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while not path.exists():
+        if time.monotonic() > end:
+            sys.exit(f"worker {rank}: {path} never came")
+        time.sleep(0.05)
 
 
 if mode == "joined-fail":
@@ -68,6 +80,23 @@ if mode in ("finish-or-wait", "finish-or-re-form"):
     while time.monotonic() < end:
         ask_agent({"op": "world", "formed": 0})
         time.sleep(0.2)
+    sys.exit(0)
+if mode == "re-form-or-hang":
+    if int(os.environ["HPCT_GENERATION"]) > 0:
+        sys.exit(0)
+    joined(op_timeout=float(arg))
+    if rank == "1":
+        (out / f"ready-{os.getpid()}").write_text("")
+        time.sleep(120)
+        sys.exit(0)
+    wait_for(out / "go", 60)
+    world = ask_agent({"op": "world", "formed": 0})
+    joined(world["generation"], op_timeout=float(arg))
+    end = time.monotonic() + 120
+    while ask_agent({"op": "peek"})["generation"] <= world["generation"]:
+        if time.monotonic() > end:
+            sys.exit(f"worker {rank}: the view never moved past generation {world['generation']}")
+        time.sleep(0.1)
     sys.exit(0)
 if mode == "until-replaced":
     if int(os.environ["HPCT_GENERATION"]) > 0:

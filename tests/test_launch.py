@@ -6,6 +6,7 @@ agent's decisions; tests/test_launch_recovery.py proves the recovery with real t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from hpct.errors import LaunchError
+from hpct.launch.workers import STOPPED_NO_SHOW_S
 from hpct.ports import free_port_block
 from launch_cluster import Agents
 from util import run_cli
@@ -287,6 +289,45 @@ def test_a_survivor_re_forming_when_a_worker_of_its_node_finished_is_stopped(tmp
     assert stopped[1].endswith("stopped: a worker of this node finished before it joined"), stopped
     assert stopped[2].endswith("stopped: a worker of this node finished while it re-formed"), stopped
     assert [e["rank"] for e in agents.events(0, "exit") if e["message"].endswith("finished")] == [0]
+
+
+@pytest.mark.parametrize("hang", ["stopped", "deadlocked"])
+def test_a_worker_that_never_comes_to_re_form_is_killed_at_once_if_stopped_else_past_its_op_timeout(tmp_path, hang):
+    """Rank 0's world failed and it re-forms; rank 1 never comes.  A worker stopped by a signal runs
+    nothing until continued: its agent kills it STOPPED_NO_SHOW_S after it saw it stopped, not an op
+    timeout (60 s here) later; a worker that runs but never asks (deadlocked) keeps its op timeout
+    (2 s), within which a busy worker would still come.  The loss path replaces both."""
+    op_timeout = 60 if hang == "stopped" else 2
+    with Agents(tmp_path, ["--nproc-per-node", "2", "--port-base", port_base(), WORKER, str(tmp_path),
+                           "re-form-or-hang", str(op_timeout)]) as agents:
+        agents.start()
+        end = time.monotonic() + 30
+        while not list(tmp_path.glob("ready-*")):
+            assert time.monotonic() < end, agents.output(0)
+            time.sleep(0.05)
+        pid = agents.worker_pid(0, 1)
+        if hang == "stopped":
+            os.kill(pid, signal.SIGSTOP)
+        (tmp_path / "go").write_text("")
+        try:
+            assert agents.wait(40) == [0], agents.output(0)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    [no_show] = agents.events(0, "no-show")
+    [moved] = [e for e in agents.events(0, "view") if "re-form asked by a worker" in e["message"]]
+    assert (no_show["rank"], no_show["pid"], no_show["stopped"]) == (1, pid, hang == "stopped"), no_show
+    waited = no_show["t"] - moved["t"]
+    if hang == "stopped":
+        assert STOPPED_NO_SHOW_S <= waited < 10, no_show
+        assert "stopped by a signal for" in no_show["message"], no_show
+    else:
+        assert op_timeout <= waited < op_timeout + 5, no_show
+        assert "past its op timeout (2 s)" in no_show["message"], no_show
+    [lost] = [e for e in agents.events(0, "worker-lost") if e["pid"] == pid]
+    assert lost["code"] == -signal.SIGKILL
+    assert [e["generation"] for e in agents.events(0, "start") if e["rank"] == 1] == [0, 2], \
+        "replaced at the move its loss made"
 
 
 def test_an_agent_restarted_within_the_grace_restarts_its_workers_as_replacements(tmp_path):

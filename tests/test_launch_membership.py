@@ -7,6 +7,9 @@ the timing are tests/test_launch_recovery.py's)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import threading
 import time
 from types import SimpleNamespace
@@ -16,7 +19,7 @@ import pytest
 from hpct.launch import membership, wire
 from hpct.launch.links import LinkTimes
 from hpct.launch.membership import Membership
-from hpct.launch.workers import STANDBY_DEFER_S, no_shows, standbys_due
+from hpct.launch.workers import STANDBY_DEFER_S, STOPPED_NO_SHOW_S, is_stopped, no_shows, note_stopped, standbys_due
 
 pytestmark = pytest.mark.unit
 
@@ -205,8 +208,8 @@ def test_a_joined_worker_tells_its_generation_and_op_timeout():
 
 
 class Proc:
-    def __init__(self, alive: bool = True) -> None:
-        self.alive = alive
+    def __init__(self, alive: bool = True, pid: int = 4242) -> None:
+        self.alive, self.pid = alive, pid
 
     def poll(self):
         return None if self.alive else -9
@@ -215,7 +218,7 @@ class Proc:
 def worker(**fields) -> SimpleNamespace:
     """A worker whose world formed in generation 1, op timeout 10 s, last heard at t=100."""
     return SimpleNamespace(**{"joined": True, "reaped": False, "formed": 1, "watched": 100.0, "op_timeout": 10.0,
-                              "proc": Proc(), **fields})
+                              "proc": Proc(), "stopped_since": None, **fields})
 
 
 def test_a_worker_silent_past_its_op_timeout_after_a_breaking_move_is_a_no_show():
@@ -235,6 +238,46 @@ def test_a_worker_that_asked_re_formed_is_new_dead_or_reaped_is_not_a_no_show():
     assert no_shows([worker(proc=Proc(alive=False))], 2, **late) == [], "gone: the loss path has it"
     assert no_shows([worker(reaped=True)], 2, **late) == [], "killed once already"
     assert no_shows([worker()], 2, broke_at=None, now=200.0, default_s=300.0) == [], "only grows since start"
+
+
+def test_a_silent_worker_seen_stopped_is_a_no_show_without_waiting_its_op_timeout():
+    """A SIGSTOPped worker cannot come before someone continues it: waiting out its op timeout
+    (10 s here) after its peers' collectives already timed out on it only adds to the stall."""
+    stopped, sleeping = worker(), worker(proc=Proc(pid=4343))
+    probe = {4242: True, 4343: False}.__getitem__
+    note_stopped([stopped, sleeping], 2, 105.0, now=105.2, probe=probe)
+    assert (stopped.stopped_since, sleeping.stopped_since) == (105.2, None)
+    note_stopped([stopped, sleeping], 2, 105.0, now=105.9, probe=probe)
+    assert stopped.stopped_since == 105.2, "seen stopped since its first look"
+    assert no_shows([stopped, sleeping], 2, broke_at=105.0, now=105.9, default_s=300.0) == [], \
+        f"seen stopped for less than {STOPPED_NO_SHOW_S} s"
+    assert no_shows([stopped, sleeping], 2, broke_at=105.0, now=106.3, default_s=300.0) == [stopped]
+    note_stopped([stopped], 2, 105.0, now=106.4, probe=lambda pid: False)
+    assert stopped.stopped_since is None, "continued: it may still come within its op timeout"
+    assert no_shows([stopped], 2, broke_at=105.0, now=106.5, default_s=300.0) == []
+    late = worker(watched=105.5)
+    note_stopped([late], 2, 105.0, now=106.0, probe=lambda pid: True)
+    assert late.stopped_since is None, "asked the agent after the move: not looked at"
+
+
+def test_is_stopped_reads_a_real_process_state():
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        assert not is_stopped(proc.pid)
+        os.kill(proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while not is_stopped(proc.pid):
+            assert time.monotonic() < deadline, "never seen stopped"
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while is_stopped(proc.pid):
+            assert time.monotonic() < deadline, "never seen running again"
+            time.sleep(0.01)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    assert not is_stopped(proc.pid), "a reaped process is not stopped"
 
 
 def answering(monkeypatch, views: dict) -> list[str]:

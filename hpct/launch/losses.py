@@ -12,7 +12,7 @@ import signal
 import time
 
 from .view import JobEnd
-from .workers import Worker, no_shows, re_form_bound, tail
+from .workers import Worker, no_shows, note_stopped, re_form_bound, stopped_long, tail
 
 
 class Losses:
@@ -41,14 +41,18 @@ class Losses:
         with self.cond:
             gen, broke_at = self.generation, self.broke_at
         now = time.monotonic()
+        note_stopped(self.workers.values(), gen, broke_at, now)
         for w in no_shows(self.workers.values(), gen, broke_at, now, self.cfg.connect_timeout):
             w.reaped = True
+            stopped = stopped_long(w, now)
+            why = (f"stopped by a signal for {now - w.stopped_since:.1f} s (it runs nothing until continued)"
+                   if stopped else f"past its op timeout ({re_form_bound(w, self.cfg.connect_timeout):g} s)")
             self.events.emit("no-show", f"rank {w.rank} pid {w.proc.pid} did not come to re-form in generation "
                              f"{gen}: its world formed in {w.formed} and it has not asked this agent since the "
-                             f"view moved {now - broke_at:.1f} s ago, past its op timeout "
-                             f"({re_form_bound(w, self.cfg.connect_timeout):g} s); taken for hung (stopped or "
+                             f"view moved {now - broke_at:.1f} s ago, {why}; taken for hung (stopped or "
                              "deadlocked), it is killed and a replacement takes its rank",
-                             rank=w.rank, pid=w.proc.pid, generation=gen, formed=w.formed)
+                             rank=w.rank, pid=w.proc.pid, generation=gen, formed=w.formed,
+                             stopped=stopped)
             try:
                 os.killpg(w.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):

@@ -33,8 +33,12 @@ class Worker:
     re_forming: bool = False     # it asked for a new world (recover()) and has not formed one since
     op_timeout: float | None = None   # its world's op timeout, seconds (it told the agent)
     reaped: bool = False         # killed as a no-show: its exit is the loss that replaces it
+    stopped_since: float | None = None   # seen stopped by a signal since (monotonic), while a no-show candidate
 
 
+# A worker its peers wait for, seen stopped by a signal this long, is taken for hung without
+# waiting out its op timeout: it runs no code until someone continues it (no_show_bound).
+STOPPED_NO_SHOW_S = 1.0
 STANDBY_DEFER_S = 30.0     # a node's standbys start at the latest this long after its workers (standbys_due)
 # A standby imports the interpreter's own packages, as the agent did: ``-m`` would put the working
 # folder first on sys.path, and a source checkout of hpct there (an ``hpct/`` folder without the
@@ -181,18 +185,51 @@ def re_form_bound(w: Worker, default_s: float) -> float:
     return w.op_timeout or default_s
 
 
+def silent(w: Worker, generation: int, broke_at: float | None) -> bool:
+    """Whether ``w`` has not come to re-form after the view's last move that broke its world (at
+    ``broke_at``, monotonic): its world formed before ``generation`` and it has not asked the
+    agent anything since."""
+    return (broke_at is not None and w.joined and not w.reaped and w.formed < generation
+            and w.watched < broke_at and w.proc.poll() is None)
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether a process is stopped by a signal (SIGSTOP, SIGTSTP: state T in /proc/PID/stat).  One
+    stopped by a tracer (t: a debugger, py-spy) is being looked at on purpose and is not."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:             # gone, or no /proc: the op timeout bound holds
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] == b"T"
+
+
+def note_stopped(workers, generation: int, broke_at: float | None, now: float, probe=is_stopped) -> None:
+    """Track since when each silent worker (``silent``) is seen stopped; only those are looked at."""
+    for w in workers:
+        stopped = silent(w, generation, broke_at) and probe(w.proc.pid)
+        w.stopped_since = (now if w.stopped_since is None else w.stopped_since) if stopped else None
+
+
+def stopped_long(w: Worker, now: float) -> bool:
+    """Whether ``w`` has been seen stopped (``note_stopped``) for STOPPED_NO_SHOW_S."""
+    return w.stopped_since is not None and now - w.stopped_since >= STOPPED_NO_SHOW_S
+
+
+def no_show_bound(w: Worker, now: float, default_s: float) -> float:
+    """How long after the breaking move a silent worker is waited for: STOPPED_NO_SHOW_S once it
+    is ``stopped_long`` (its peers' collectives already timed out on it, and it cannot come before
+    someone continues it), else its op timeout (``re_form_bound``)."""
+    return STOPPED_NO_SHOW_S if stopped_long(w, now) else re_form_bound(w, default_s)
+
+
 def no_shows(workers, generation: int, broke_at: float | None, now: float, default_s: float) -> list[Worker]:
-    """The workers that did not come to re-form after the view's last move that broke their world
-    (at ``broke_at``, monotonic): their world formed before ``generation``, they have not asked the
-    agent anything since, and their own op timeout (``default_s`` if unknown) has passed.  Such a
-    worker is hung (stopped, deadlocked): its peers would wait for it until their connect deadline
-    and then fail, over and over, while it never exits.  A worker busy past its op timeout would
-    have failed its peers' collectives already, so the same bound is the user's own."""
-    if broke_at is None:
-        return []
-    return [w for w in workers if w.joined and not w.reaped and w.formed < generation
-            and w.watched < broke_at and now - broke_at > re_form_bound(w, default_s)
-            and w.proc.poll() is None]
+    """The silent workers (``silent``) past their bound (``no_show_bound``).  Such a worker is hung
+    (stopped, deadlocked): its peers would wait for it until their connect deadline and then fail,
+    over and over, while it never exits.  A worker busy past its op timeout would have failed its
+    peers' collectives already, so that bound is the user's own."""
+    return [w for w in workers if silent(w, generation, broke_at)
+            and now - broke_at > no_show_bound(w, now, default_s)]
 
 
 def stranded(w: Worker) -> str | None:
