@@ -82,4 +82,4 @@ timeout --signal=INT --kill-after=30 20m "$venv/bin/python" -P -m pytest -q -p n
   tests/test_fault_tolerance.py tests/test_torch_nccl.py \
   tests/test_launch_recovery.py::test_a_killed_worker_is_replaced_from_a_standby_and_nobody_else_restarts \
   tests/test_launch_recovery.py::test_an_fsdp2_hsdp_job_replaces_a_killed_worker_from_its_replicas_shards \
-  tests/test_launch_recovery.py::test_fsdp2_join_takes_the_furthest_replica_and_exits_on_a_torn_step "$@"
+  tests/test_launch_recovery.py::test_fsdp2_join_takes_the_furthest_replica_and_heals_a_torn_step "$@"

@@ -10,8 +10,12 @@ shards live on in its replica peers' memory.  The recovery pattern is docs/launc
 ``hd.recover()`` (the agent replaced the lost worker at the same rank), make the mesh and the
 sharded model again, and each rank takes its shards (parameters, momentum, the step) from the
 lowest member of its replicate group that kept them and is furthest on.  A job survives as long as
-every shard keeps one replica; losing all replicas of a shard, or a step that some replicate
-groups took and others did not (a torn step), ends it with that message.
+every shard keeps one replica; losing all replicas of a shard ends it with that message.
+
+A peer lost at the very end of a step can let some replicate groups take the step and not others
+(a torn step: the shard that the lost rank's all-reduce carried stays behind).  So each rank keeps
+its shards and optimizer state from before its last step, one more copy of them: the groups that
+stepped go back to it, and the step is taken again by all.
 
 Recovery needs the same world size (replacements, or spare nodes): a shrink or a grow changes
 the mesh's shape, and the shards would have to be re-cut (a checkpoint's job).  ``--out DIR``
@@ -69,26 +73,29 @@ def shards(opt) -> dict:
 
 def join(mesh, opt, kept: dict | None, step: int) -> int:
     """Each rank takes its shards from the lowest member of its replicate group furthest on that kept
-    them.  A peer lost at a collective's very end can let some ranks take the step and not others
-    (a torn step): within a replicate group the furthest copy is taken, but if two groups' shards
-    are at different steps, the model is torn and this exits with that message."""
+    them (``kept``: ``now``, the shards at ``step``, and ``before``, those from before the last step
+    or None).  A torn step leaves the groups one step apart: the ones ahead take their ``before``.
+    Without it the model is torn for good, and this exits with that message."""
     group = mesh.get_group("replicate")
     src = hd.healthy_source(kept is not None, group=group, progress=step)
-    state = hd.broadcast_object({"shards": kept, "step": step}, src=src, group=group)
-    spread = torch.tensor([state["step"], -state["step"]], dtype=torch.int64)
-    dist.all_reduce(spread, op=dist.ReduceOp.MAX)         # the furthest and the least far shard, at once
-    if spread[0] != -spread[1]:
-        raise SystemExit(f"fsdp2.py: a lost rank tore a step: some shards are at step {int(spread[0])} and "
-                         f"others at {int(-spread[1])}, and no replica holds the older copy; resume from "
-                         "a checkpoint")
+    state = hd.broadcast_object({"kept": kept, "step": step}, src=src, group=group)
+    at, older = state["step"], state["kept"]["before"]
+    # One MAX gives the least and the most far group, and whether one that is most far has no older copy.
+    spread = torch.tensor([-at, at, 2 * at + (older is None)], dtype=torch.int64)
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    least, most, stuck = int(-spread[0]), int(spread[1]), int(spread[2]) == 2 * int(spread[1]) + 1
+    if most > least + 1 or (most > least and stuck):
+        raise SystemExit(f"fsdp2.py: a lost rank tore a step: some shards are at step {most} and others at "
+                         f"{least}, and no replica holds the older copy; resume from a checkpoint")
+    shards_at = state["kept"]["now"] if at == least else older
     params = opt.param_groups[0]["params"]
     with torch.no_grad():
-        for p, local, momentum in zip(params, state["shards"]["params"], state["shards"]["momentum"]):
+        for p, local, momentum in zip(params, shards_at["params"], shards_at["momentum"]):
             p.to_local().copy_(local)
             if momentum is not None:
                 opt.state[p]["momentum_buffer"] = DTensor.from_local(momentum.clone(), p.device_mesh,
                                                                      p.placements, run_check=False)
-    return state["step"]
+    return least
 
 
 def main() -> int:
@@ -107,14 +114,14 @@ def main() -> int:
     else:
         dist.init_process_group(args.backend)
     # A replacement holds no shards until it joins; everyone else starts equal (same seed).
-    kept, step, model = None, 0, None
+    kept, step, model, before = None, 0, None, None     # before: the shards from before the last step
     fresh, synced = record["generation"] == 0, False      # synced: this rank's shards are the job's
     while True:
         try:
             if model is None:       # the first world, a recovery, or a replacement's first world
                 synced, (mesh, model, opt) = False, build(args.replicas)
                 if not fresh:
-                    step = join(mesh, opt, kept, step)
+                    step, before = join(mesh, opt, kept, step), None
                 fresh, synced = False, True
             if step >= args.steps:  # leave together: a peer lost now is recovered as in a step
                 full = [p.full_tensor() for p in opt.param_groups[0]["params"]]
@@ -127,14 +134,15 @@ def main() -> int:
             if not any(pg.failure is not None for pg in hd.live_groups()):
                 raise               # not a lost peer: a bug of the script
             t0 = time.time()
-            if synced:              # nobody stepped: these are the shards of step `step`
-                kept = shards(opt)
+            if synced:              # this rank did not step: these are the shards of step `step`
+                kept = {"now": shards(opt), "before": before}
             hd.abort_all()
             hd.recover()            # the agent replaced the lost worker: same ranks, new generation
             model = None
             record["recoveries"].append({"at_step": step, "seconds": time.time() - t0,
                                          "generation": hd.generation(), "time": time.time()})
             continue
+        before = shards(opt)        # a torn step comes back to this (join)
         opt.step()
         record["steps"].append([step, time.time()])
         step += 1
