@@ -168,9 +168,11 @@ def outcome(fault: dict, logs, until: float = float("inf"), carried: frozenset =
             return "overlapped by the next fault"      # not every rank stepped again before it came
         holder[r] = settled[-1] if settled else after[0][1]
     changed = {r for r, pid in holder.items() if fault["pids"][r] != pid}
-    if len(changed) == len(holder):
+    # no process held these at the fault: a restart was under way (stock's, started node by node)
+    starting = {r for r in holder if fault["pids"][r] < 0}
+    if changed | starting == set(holder) and changed - starting:
         return "every worker restarted"
-    changed -= carried - hit         # an earlier, overlapped fault's victims, replaced meanwhile
+    changed -= starting | (carried - hit)    # and an earlier, overlapped fault's victims, replaced meanwhile
     if fault["kind"].startswith("stop"):
         return "rode through" if not changed else "replaced in place" if changed == hit else \
             f"unexplained: ranks {sorted(changed)} have new processes"

@@ -125,6 +125,15 @@ def test_each_way_a_fault_can_end_is_told_apart():
     assert gf.outcome(kill, both, carried=frozenset({2})) == "replaced in place"
     assert gf.outcome({**kill, "kind": "stop"}, _logs({0: [(2, 3.0, 10)], 1: [(2, 3.0, 20)], 2: [(2, 3.0, 31)]}),
                       carried=frozenset({2})) == "rode through"
+    # a fault that waited for stock's restart after a lost node (30-minute soak, seed 30): some
+    # ranks had no process yet at the fault, and the ones that came later are not its doing
+    restarting = {**base, "kind": "stop", "pids": {0: 10, 1: 20, 2: -1}}
+    late_start = _logs({0: [(2, 3.0, 10)], 1: [(2, 3.0, 20)], 2: [(2, 3.0, 32)]})
+    assert gf.outcome(restarting, late_start) == "rode through"
+    assert gf.outcome({**restarting, "kind": "kill"}, _logs({0: [(2, 3.0, 10)], 1: [(2, 3.0, 21)], 2: [(2, 3.0, 32)]})) \
+        == "replaced in place"
+    assert gf.outcome({**restarting, "kind": "kill"}, _logs({0: [(2, 3.0, 11)], 1: [(2, 3.0, 21)], 2: [(2, 3.0, 32)]})) \
+        == "every worker restarted"
     # a step that no rank logged is lost work, not a kill's unlogged last line
     cut = _logs({0: [(0, 1.0, 10), (2, 3.0, 10)], 1: [(0, 1.0, 20), (2, 3.0, 21)]})
     assert gf.account(cut, [], steps=3, step_s=1.0, wall_s=4.0)["steps_missing"] == [1]
