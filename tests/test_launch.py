@@ -108,14 +108,19 @@ def test_a_workers_own_failure_is_retried_then_ends_the_job(tmp_path):
     assert sorted(e["TORCHELASTIC_RESTART_COUNT"] for e in starts) == ["0", "1", "2"]
 
 
+def wait_ready(agents: Agents, out: Path, count: int, timeout: float = 30) -> None:
+    """Wait for ``count`` workers' OUT/ready-* files (tests/launch_worker.py writes one once set up)."""
+    deadline = time.monotonic() + timeout
+    while len(list(out.glob("ready-*"))) < count:
+        assert time.monotonic() < deadline, agents.output(0)
+        time.sleep(0.02)
+
+
 def test_sigterm_stops_the_workers_gracefully(tmp_path):
     with Agents(tmp_path, ["--nproc-per-node", "2", "--port-base", port_base(),
                            WORKER, str(tmp_path), "term"]) as agents:
         agents.start()
-        deadline = time.monotonic() + 30
-        while len(list(tmp_path.glob("ready-*"))) < 2:
-            assert time.monotonic() < deadline, agents.output(0)
-            time.sleep(0.02)
+        wait_ready(agents, tmp_path, 2)
         agents.procs[0].send_signal(signal.SIGTERM)
         assert agents.wait(30) == [128 + signal.SIGTERM]
         assert len(list(tmp_path.glob("term-*"))) == 2, "each worker got SIGTERM and exited by itself"
@@ -301,10 +306,7 @@ def test_a_worker_that_never_comes_to_re_form_is_killed_at_once_if_stopped_else_
     with Agents(tmp_path, ["--nproc-per-node", "2", "--port-base", port_base(), WORKER, str(tmp_path),
                            "re-form-or-hang", str(op_timeout)]) as agents:
         agents.start()
-        end = time.monotonic() + 30
-        while not list(tmp_path.glob("ready-*")):
-            assert time.monotonic() < end, agents.output(0)
-            time.sleep(0.05)
+        wait_ready(agents, tmp_path, 1)
         pid = agents.worker_pid(0, 1)
         if hang == "stopped":
             os.kill(pid, signal.SIGSTOP)
