@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -41,7 +42,7 @@ class Agent(Membership):
         self.node, self.cond, self.events = node, threading.Condition(), Recorder()
         self.generation, self.nodes = 0, list(range(nnodes))
         self.finished, self.leaving, self.gone, self.hellos, self.workers = set(), {}, {}, set(), {}
-        self.failing, self.heard_links, self.slow = {}, {}, {}
+        self.failing, self.refused, self.heard_links, self.slow = {}, {}, {}, {}
         self.link_times = LinkTimes()
         self.seen = {n: time.monotonic() for n in range(nnodes + spares)}
         self.end = self.signalled = None
@@ -323,6 +324,60 @@ def test_a_re_form_takes_a_peers_newer_view_and_waits_the_grace_for_a_silent_pee
     assert (reply["generation"], b.nodes) == (1, [0, 1])
     assert [f["message"] for e, f in b.events.seen if e == "node-lost"] == \
         ["node 2 did not answer a probe (a worker was waiting)"]
+
+
+def test_a_peer_refusing_every_ask_is_lost_after_refused_s_and_one_that_does_not_answer_keeps_the_grace():
+    """A refusal means nothing listens at the peer's agent port (its agent was killed, its host is
+    up): it is lost after REFUSED_S, not the 5 s grace.  An ask that times out (a paused agent, whose
+    kernel still accepts; a host gone) keeps the grace, and so does a refusal followed by one."""
+    refused, timed_out = wire.WireError("refused", refused=True), wire.WireError("timed out")
+    a = Agent(0, spares=1)
+    for err in (refused, refused):
+        a._unanswered(1, err)
+    a._unanswered(2, refused)
+    a._unanswered(2, timed_out)
+    now = time.monotonic()
+    for table in (a.refused, a.failing):            # the first failed ask was this long ago
+        for n in table:
+            table[n] -= membership.REFUSED_S + 0.1
+    for n in (1, 2):
+        a.seen[n] = now - membership.REFUSED_S - 0.1
+    with a.cond:
+        assert a._lost_peers(now) == [1], "refused past REFUSED_S is lost; refused then timed out is not yet"
+        assert a._lost_peers(now + a.opts.node_grace) == [1, 2], "the timed-out one after the grace"
+    a._drop([1], [])
+    [(event, lost)] = [(e, f) for e, f in a.events.seen if e == "node-lost"]
+    assert lost["message"] == ("node 1 refused every ask for 1.5 s (nothing listens at its agent port: its "
+                               "agent is gone); node 3 takes its slot"), lost
+    assert lost["refused"] == [1] and a.nodes == [0, 3, 2] and 1 not in a.refused
+
+    b = Agent(0)
+    b._unanswered(1, refused)
+    b.refused[1] -= membership.REFUSED_S + 0.1
+    b._merge(0, [0, 1, 2], 1)                       # it answered since: its agent is back
+    with b.cond:
+        assert b._lost_peers(time.monotonic()) == [] and not b.refused
+    c = Agent(0)
+    c.opts.node_grace = 0.5                         # a grace shorter than REFUSED_S still governs
+    c._unanswered(1, refused)
+    c.refused[1] -= 0.6
+    with c.cond:
+        assert c._lost_peers(time.monotonic()) == [1]
+        assert c._silence(1, probed=False).startswith("refused every ask for 0.5 s")
+
+
+def test_an_ask_tells_a_refused_port_from_one_that_never_answers():
+    with socket.socket() as quiet:
+        quiet.bind(("127.0.0.1", 0))
+        quiet.listen(1)                             # the kernel accepts; nobody answers: a paused agent
+        with pytest.raises(wire.WireError) as paused:
+            wire.ask("127.0.0.1", quiet.getsockname()[1], {"op": "ping"}, 0.3)
+        assert not paused.value.refused and "timed out" in str(paused.value)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))               # bound, not listening: the kernel refuses
+        with pytest.raises(wire.WireError) as gone:
+            wire.ask("127.0.0.1", closed.getsockname()[1], {"op": "ping"}, 0.3)
+        assert gone.value.refused and "refused" in str(gone.value)
 
 
 def test_standbys_wait_for_the_first_start_to_form_its_world_or_a_bound():

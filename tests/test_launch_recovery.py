@@ -13,10 +13,12 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
+from hpct.launch.membership import HEARTBEAT_S, REFUSED_S
 from hpct.ports import free_port_block
 from launch_cluster import Agents, progress, records
 from netns import netns_network, unavailable_reason
@@ -306,12 +308,15 @@ def test_a_lost_node_is_dropped_the_survivors_shrink_and_a_worker_lost_then_is_r
 def test_a_spare_node_takes_a_lost_nodes_ranks_and_the_run_is_bit_identical(tmp_path):
     """Node 1 of 3 is lost; the spare (node 3) takes its slot: the world keeps 3 ranks, the
     spare's worker is rank 1 at place 3 and receives the state, and the parameters equal a
-    fault-free stock run of 3 ranks."""
+    fault-free stock run of 3 ranks.  The grace is 10 s, but node 1's host refuses its agent port
+    (nothing listens there any more), so it is dropped after REFUSED_S: before, a killed agent
+    cost its node the whole grace."""
     expect = stock_digest(tmp_path, 3)
-    with three_nodes(tmp_path, 1, STEPS, spares=1) as (agents, out):
+    with three_nodes(tmp_path, 10, STEPS, spares=1) as (agents, out):
         agents.wait_event(3, "idle", 60)
         wait_progress(agents, out, 0, 10)
         first = {n: agents.worker_pid(n, n) for n in (0, 2)}
+        killed = time.time()
         lose_node(agents, 1)
         codes = [agents.procs[n].wait(timeout=LIMIT_S) for n in (0, 2, 3)]
         assert codes == [0, 0, 0], agents.output(0) + agents.output(3)
@@ -324,6 +329,10 @@ def test_a_spare_node_takes_a_lost_nodes_ranks_and_the_run_is_bit_identical(tmp_
     for n in (0, 2, 3):
         assert agents.events(n, "view")[-1]["nodes"] == [0, 3, 2], agents.output(n)
     assert agents.events(3, "admitted"), agents.output(3)
+    [lost] = [e for n in (0, 2) for e in agents.events(n, "node-lost")][:1]
+    assert lost["refused"] == [1] and "refused every ask for 1.5 s" in lost["message"], lost
+    dropped = datetime.fromisoformat(lost["time"]).timestamp() - killed
+    assert REFUSED_S <= dropped < REFUSED_S + 2 * HEARTBEAT_S + 1.5, (dropped, lost)
 
 
 @pytest.mark.multihost

@@ -57,6 +57,7 @@ class NodeAgent(Losses, Membership):
         self.restarted = False                   # a peer knew this node's agent before this one
         self.seen = {n: time.monotonic() for n in self.nodes}
         self.failing: dict[int, float] = {}      # node -> its first unanswered ask since an answer
+        self.refused: dict[int, float] = {}      # node -> its first refused ask, every ask since refused
         self.leaving: dict[int, float] = {}
         self.workers: dict[int, Worker] = {}
         self.restarts: dict[int, int] = {}

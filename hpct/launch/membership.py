@@ -4,6 +4,9 @@ carried by every heartbeat, a node dropped when silent or leaving, and the worke
 
 A peer is silent once an ask to it failed and nothing was heard from it for the grace: judged
 from failed asks, so an agent that itself stood still does not find every peer silent on resume.
+A peer whose host refused every ask for REFUSED_S is lost sooner: nothing listens at its agent
+port, so its agent is gone (killed, crashed), while a paused or starved agent is still accepted
+by its kernel and keeps the grace.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ HEARTBEAT_S = 0.5             # agents ask each other this often
 ASK_TIMEOUT_S = 2.0
 REFORM_WAIT_S = 1.0           # a worker's re-form first waits this long for a loss another agent reports
 SETTLE_S = 1.0                # a peer's leave waits this long: if this agent is signalled too, it is a cancel
+REFUSED_S = 1.5               # a peer refusing every ask this long is lost (three heartbeats: not a restart's gap)
 
 SAME_JOB_FIX = ("start every agent of a job with the same --rdzv-id, --nnodes, --nproc-per-node and host list, "
                 "and each with its own --node-rank")
@@ -95,6 +99,7 @@ class Membership(View):
             self.seen[node] = time.monotonic()
             self.leaving.pop(node, None)
             self.failing.pop(node, None)
+            self.refused.pop(node, None)
             # An agent says hello once per life: a second hello from a member is a restarted agent.
             again, self.hellos = node in self.hellos and node in self.nodes, self.hellos | {node}
         return {"ok": True, "again": again, **self._view()}
@@ -149,7 +154,8 @@ class Membership(View):
             try:
                 reply = wire.ask(self.addrs[n], self.port, self._ping(), ASK_TIMEOUT_S)
                 self._merge(reply["generation"], reply["nodes"], n)
-            except (wire.WireError, KeyError):
+            except (wire.WireError, KeyError) as err:
+                self._unanswered(n, err)
                 silent.append(n)
         if silent and drop:
             self._drop(silent, [], probed=True)
@@ -201,9 +207,8 @@ class Membership(View):
                     self.link_times.record(n, time.monotonic() - t0)
                 self._merge(reply["generation"], reply["nodes"], n)
                 self._hear_links(n, reply.get("links"))
-            except (wire.WireError, KeyError):
-                with self.cond:
-                    self.failing.setdefault(n, time.monotonic())
+            except (wire.WireError, KeyError) as err:
+                self._unanswered(n, err)
             finally:
                 asking.discard(n)
 
@@ -215,16 +220,40 @@ class Membership(View):
                     threading.Thread(target=ask, args=(n, view), name=f"hpct-agent-ask-{n}", daemon=True).start()
             now = time.monotonic()
             with self.cond:
-                # Silent: asked and not answered (nor heard from) for the grace.  Judged from failed
-                # asks, not from the last answer's age: an agent that itself stood still (paused,
-                # starved of CPU) would otherwise find every peer silent when it resumes.
-                silent = [n for n in self.nodes if n != self.node and n not in self.finished
-                          and n not in self.leaving and self._silent(n, now, self.opts.node_grace)]
+                silent = self._lost_peers(now)
                 left = [n for n, t in self.leaving.items() if now - t > SETTLE_S]
             self._drop(silent, left)
             self._take_idle()
             self._give_slow_slot(self._judge_links())
             time.sleep(HEARTBEAT_S)
+
+    def _unanswered(self, n: int, err: Exception) -> None:
+        """An ask to ``n`` failed: note since when, and since when every ask was refused."""
+        now = time.monotonic()
+        with self.cond:
+            self.failing.setdefault(n, now)
+            if getattr(err, "refused", False):
+                self.refused.setdefault(n, now)
+            else:                       # no answer at all: a host gone, or a pause; the grace's case
+                self.refused.pop(n, None)
+
+    def _lost_peers(self, now: float) -> list[int]:
+        """Caller holds the lock.  The members to drop: silent for the grace (asked and not answered
+        nor heard from; judged from failed asks, not from the last answer's age, or an agent that
+        itself stood still would find every peer silent when it resumes), or refusing every ask
+        for REFUSED_S (or the grace, if shorter)."""
+        grace = self.opts.node_grace
+        return [n for n in self.nodes if n != self.node and n not in self.finished and n not in self.leaving
+                and (self._silent(n, now, grace) or now - self.refused.get(n, now) >= min(REFUSED_S, grace))]
+
+    def _silence(self, n: int, probed: bool) -> str:
+        """Caller holds the lock.  Why ``n`` is dropped, as the node-lost event says it."""
+        if probed:
+            return "did not answer a probe (a worker was waiting)"
+        if n in self.refused:
+            return (f"refused every ask for {min(REFUSED_S, self.opts.node_grace):g} s (nothing listens at "
+                    "its agent port: its agent is gone)")
+        return f"silent for {self.opts.node_grace:g} s"
 
     def _silent(self, n: int, now: float, limit: float) -> bool:
         """Caller holds the lock.  An ask to ``n`` failed and nothing was heard from it for ``limit``."""

@@ -99,14 +99,14 @@ class View:
             if not (silent or left) or self.signalled is not None or self.end is not None \
                     or self.node not in self.nodes:      # an idle agent follows the members' view
                 return
-            quiet = "did not answer a probe (a worker was waiting)" if probed else \
-                f"silent for {self.opts.node_grace:g} s"
-            why = "; ".join([f"node {n} {quiet}" for n in silent] +
+            why = "; ".join([f"node {n} {self._silence(n, probed)}" for n in silent] +
                             [f"node {n} left" for n in left])
+            refused = [n for n in silent if n in self.refused and not probed]
             self.gone.update({n: time.monotonic() for n in silent + left})
             for n in silent + left:
                 self.leaving.pop(n, None)
                 self.failing.pop(n, None)
+                self.refused.pop(n, None)
             idle, nodes = self._idle(), []
             for n in self.nodes:        # the lowest idle node takes a lost node's slot
                 if n not in silent + left:
@@ -114,7 +114,7 @@ class View:
                 elif idle:
                     nodes.append(idle.pop(0))
                     why += f"; node {nodes[-1]} takes its slot"
-            self.events.emit("node-lost", why, nodes=silent + left)
+            self.events.emit("node-lost", why, nodes=silent + left, refused=refused)
             self._move(self.generation + 1, nodes, why)
 
     def _idle(self) -> list[int]:
@@ -173,6 +173,7 @@ class View:
             if sender is not None:
                 self.seen[sender] = time.monotonic()
                 self.failing.pop(sender, None)
+                self.refused.pop(sender, None)
                 if sender not in nodes:
                     return          # an idle agent's view: only the members' views count
             if generation < self.generation or (generation == self.generation and nodes == self.nodes):

@@ -18,7 +18,13 @@ MAX_LINE = 1 << 20          # a membership of 10^5 ranks fits; anything longer i
 
 
 class WireError(OSError):
-    """The peer could not be reached, or answered something that is not one JSON object."""
+    """The peer could not be reached, or answered something that is not one JSON object.
+    ``refused``: its host answered that nothing listens at the port (ECONNREFUSED), which a
+    paused or slow agent never causes: the kernel accepts for a listener that stands still."""
+
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 def ask(host: str, port: int, message: dict, timeout: float) -> dict:
@@ -30,7 +36,7 @@ def ask(host: str, port: int, message: dict, timeout: float) -> dict:
             s.shutdown(socket.SHUT_WR)
             data = _read_line(s)
     except OSError as err:
-        raise WireError(f"agent {host}:{port}: {err}") from None
+        raise WireError(f"agent {host}:{port}: {err}", isinstance(err, ConnectionRefusedError)) from None
     try:
         reply = json.loads(data)
     except ValueError:
