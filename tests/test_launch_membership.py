@@ -366,6 +366,22 @@ def test_a_peer_refusing_every_ask_is_lost_after_refused_s_and_one_that_does_not
         assert c._silence(1, probed=False).startswith("refused every ask for 0.5 s")
 
 
+def test_a_node_another_agent_dropped_for_refusing_is_not_grown_back_until_it_is_heard_again():
+    """Node 1 drops node 2 for refusing (1.5 s after its last answer, well within the grace) and
+    node 0, the lowest member, takes that view.  Node 0 heard node 2 within the grace but its own
+    asks were refused since: before, it grew node 2 back at once, and the view flapped between
+    [0, 1] and [0, 1, 2] every heartbeat until the workers gave up (benchmarks/launch.py, a node
+    lost with no spare).  It is taken back once it pings again."""
+    a = Agent(0, spares=0)
+    a._unanswered(2, wire.WireError("refused", refused=True))
+    a._merge(1, [0, 1], 1)
+    a._take_idle()
+    assert (a.generation, a.nodes) == (1, [0, 1]), "a node refusing asks is not idle"
+    a.handle({"op": "ping", "generation": 1, "nodes": [0, 1], "node": 2})     # its agent is back, idle
+    a._take_idle()
+    assert (a.generation, a.nodes) == (2, [0, 1, 2])
+
+
 def test_an_ask_tells_a_refused_port_from_one_that_never_answers():
     with socket.socket() as quiet:
         quiet.bind(("127.0.0.1", 0))

@@ -118,11 +118,14 @@ class View:
             self._move(self.generation + 1, nodes, why)
 
     def _idle(self) -> list[int]:
-        """Caller holds the lock.  Nodes outside the view that may be taken in, lowest first."""
+        """Caller holds the lock.  Nodes outside the view that may be taken in, lowest first: heard
+        within the grace, and since the last ask to them that failed.  (A node another agent dropped
+        for refusing, 1.5 s after its last answer, was heard within the grace: without the second
+        rule the lowest member grew it back at once, and the view flapped every heartbeat.)"""
         now = time.monotonic()
         return [n for n in range(self.opts.all_nodes) if n not in self.nodes and not self._gone(n)
                 and n not in self.finished and n not in self.leaving and n not in self.slow
-                and now - self.seen.get(n, -1e9) <= self.opts.node_grace]
+                and n not in self.failing and now - self.seen.get(n, -1e9) <= self.opts.node_grace]
 
     def _gone(self, n: int) -> bool:
         """Dropped by this agent and not heard from since."""
