@@ -72,6 +72,10 @@ def report(results: dict, step_s: dict, faults: list[gf.Fault], args) -> tuple[d
             problems.append(f"{system}: its fault-free run's ranks end with {len(reference)} digests")
         acc = None if r["error"] or not step_s.get(system) else \
             gf.account(r["logs"], r["injected"], args.steps, step_s[system], r["wall_s"])
+        if acc:
+            clear, n = gf.clear_step_s(r["logs"], r["injected"], args.lossy_s, args.node_return_s)
+            acc.update(clear_step_s=clear and round(clear, 5), clear_steps=n,
+                       clear_goodput=clear and round(args.steps * clear / r["wall_s"], 4))
         untils = [f["t"] for f in r["injected"][1:]] + [float("inf")]
         outcomes, carried = [], frozenset()
         for f, u in zip(r["injected"], untils) if acc else ():
@@ -111,6 +115,11 @@ def report(results: dict, step_s: dict, faults: list[gf.Fault], args) -> tuple[d
         lines.append(f"lost time, hpct / stock: {lost['hpct']:.1f} / {lost['stock']:.1f} s = "
                      f"{lost['hpct'] / lost['stock']:.2f}")
     lines.append("fault-free step time (s): " + ", ".join(f"{s} {v:.4f}" for s, v in step_s.items() if v))
+    clear = {s: a for s in args.systems if (a := systems.get(s, {}).get("accounting")) and a["clear_step_s"]}
+    if clear:
+        lines.append("the same from the run's own clear stretches (s): " + "; ".join(
+            f"{s} {a['clear_step_s']:.4f} over {a['clear_steps']} steps, goodput by it "
+            f"{100 * a['clear_goodput']:.1f} %" for s, a in clear.items()))
     lines.append(f"goal ({GOAL}): "
                  + ("measured only at this length and rate" if args.minutes < 30 else "see the table"))
     lines += ["", "verdict: clean" if not problems else "verdict: NOT clean", *(f"  - {p}" for p in problems)]

@@ -56,6 +56,31 @@ def test_goodput_redone_steps_and_the_time_to_every_ranks_next_step():
 
 
 @pytest.mark.unit
+def test_the_run_s_own_clear_stretches_time_a_step_leaving_out_each_fault_s_window():
+    # 2 ranks, 1 s steps except: a kill at t=20.5 (both step again at t=23, steps redone once),
+    # steps slowed to 3 s while a lossy link lasts (t=40-52), and a lost node back at t=70.
+    rows, t = [], 0.0
+    for s in range(100):
+        t += 3.0 if 40 <= t < 52 else 1.0
+        if s == 20:
+            t += 2.0
+        rows.append((s, t))
+    kill = {"t": 20.5, "kind": "kill", "next_step_s": 2.5}
+    lossy = {"t": 40.0, "kind": "lossy", "next_step_s": 3.0}
+    node = {"t": 60.5, "kind": "node", "next_step_s": 1.5}
+    logs = _logs({0: [(s, t, 10) for s, t in rows] + [(19, 21.9, 10)],      # rank 0 redid step 19
+                  1: [(s, t + 0.25, 20) for s, t in rows]})
+    step, n = gf.clear_step_s(logs, [kill, lossy, node], lossy_s=10.0, node_return_s=5.0)
+    assert step == 1.0, "only 1 s steps are clear: the kill's, the lossy link's and the node's windows are left out"
+    # Of the 94 intervals past the 5 skipped steps, those overlapping [19.5, 33] (the kill: 12),
+    # [39, 60] (10 s of lossy link + CLEAR_S: 14) and [59.5, 75.5] (the node's return at +5 s,
+    # + CLEAR_S: 16 more) are left out.
+    assert n == 94 - 12 - 14 - 16, n
+    assert gf.clear_step_s(logs, [{"t": 9.5, "kind": "kill", "next_step_s": None}], 10.0, 5.0) == (1.0, 2), \
+        "a fault with no next step (the job ended) clears nothing after it"
+
+
+@pytest.mark.unit
 def test_each_way_a_fault_can_end_is_told_apart():
     base = {"kind": "kill", "rank": 1, "other": -1, "t": 1.5, "pid": 20, "pids": {0: 10, 1: 20, 2: 30}}
     same = _logs({0: [(0, 1.0, 10), (1, 2.0, 10)], 1: [(0, 1.0, 20), (1, 2.0, 20)], 2: [(0, 1.0, 30), (1, 2.0, 30)]})
