@@ -90,7 +90,7 @@ def clear_step_s(logs, injected: list[dict], lossy_s: float, node_return_s: floa
                  skip: int = 5) -> tuple[float | None, int]:
     """(the mean step time of the run's own clear stretches, how many steps it is from).
 
-    The 30-step calibration is short and runs minutes before the soak: its mean moved by 7 %
+    The calibration is short and runs minutes before the soak: at 30 steps its mean moved by 7 %
     between runs of one job (0.1286-0.1381 s), which moves a 30-minute soak's goodput by as much
     as all its faults.  This measures the same job under the same conditions instead.  A step
     is the last rank's last completion of it (a redone step counts where it counted); its

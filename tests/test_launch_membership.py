@@ -363,7 +363,16 @@ def test_a_peer_refusing_every_ask_is_lost_after_refused_s_and_one_that_does_not
     c.refused[1] -= 0.6
     with c.cond:
         assert c._lost_peers(time.monotonic()) == [1]
-        assert c._silence(1, probed=False).startswith("refused every ask for 0.5 s")
+        why, refusing = c._silence(1, probed=False)
+        assert refusing and why.startswith("refused every ask for 0.5 s")
+    d = Agent(0)                                    # silent for the grace, refusing only lately
+    d._unanswered(1, wire.WireError("timed out"))
+    d._unanswered(1, refused)
+    d.failing[1] -= d.opts.node_grace + 0.1
+    d.seen[1] -= d.opts.node_grace + 0.1
+    d._drop([1], [])
+    [lost] = [f for e, f in d.events.seen if e == "node-lost"]
+    assert lost["message"].startswith("node 1 silent for 5 s") and lost["refused"] == [], lost
 
 
 def test_a_node_another_agent_dropped_for_refusing_is_not_grown_back_until_it_is_heard_again():

@@ -242,18 +242,22 @@ class Membership(View):
         nor heard from; judged from failed asks, not from the last answer's age, or an agent that
         itself stood still would find every peer silent when it resumes), or refusing every ask
         for REFUSED_S (or the grace, if shorter)."""
-        grace = self.opts.node_grace
         return [n for n in self.nodes if n != self.node and n not in self.finished and n not in self.leaving
-                and (self._silent(n, now, grace) or now - self.refused.get(n, now) >= min(REFUSED_S, grace))]
+                and (self._silent(n, now, self.opts.node_grace) or self._refusing(n, now))]
 
-    def _silence(self, n: int, probed: bool) -> str:
-        """Caller holds the lock.  Why ``n`` is dropped, as the node-lost event says it."""
+    def _refusing(self, n: int, now: float) -> bool:
+        """Caller holds the lock.  Every ask to ``n`` was refused for REFUSED_S (or the grace, if shorter)."""
+        return now - self.refused.get(n, now) >= min(REFUSED_S, self.opts.node_grace)
+
+    def _silence(self, n: int, probed: bool) -> tuple[str, bool]:
+        """Caller holds the lock.  Why ``n`` is dropped, as the node-lost event says it, and whether
+        for refusing (a node silent for the grace whose refusals began only lately is not)."""
         if probed:
-            return "did not answer a probe (a worker was waiting)"
-        if n in self.refused:
+            return "did not answer a probe (a worker was waiting)", False
+        if self._refusing(n, time.monotonic()):
             return (f"refused every ask for {min(REFUSED_S, self.opts.node_grace):g} s (nothing listens at "
-                    "its agent port: its agent is gone)")
-        return f"silent for {self.opts.node_grace:g} s"
+                    "its agent port: its agent is gone)"), True
+        return f"silent for {self.opts.node_grace:g} s", False
 
     def _silent(self, n: int, now: float, limit: float) -> bool:
         """Caller holds the lock.  An ask to ``n`` failed and nothing was heard from it for ``limit``."""

@@ -99,9 +99,10 @@ class View:
             if not (silent or left) or self.signalled is not None or self.end is not None \
                     or self.node not in self.nodes:      # an idle agent follows the members' view
                 return
-            why = "; ".join([f"node {n} {self._silence(n, probed)}" for n in silent] +
+            silence = {n: self._silence(n, probed) for n in silent}      # (why, for refusing)
+            why = "; ".join([f"node {n} {silence[n][0]}" for n in silent] +
                             [f"node {n} left" for n in left])
-            refused = [n for n in silent if n in self.refused and not probed]
+            refused = [n for n in silent if silence[n][1]]
             self.gone.update({n: time.monotonic() for n in silent + left})
             for n in silent + left:
                 self.leaving.pop(n, None)
