@@ -6,7 +6,8 @@
 It is a torchrun script plus the recovery pattern of docs/launch.md: when a step fails (a peer
 was lost), abort, ``hd.recover()`` (the node's agent says the new world), take the state from a
 member that kept it, rebuild DDP, and do the failed step again.  A replacement (started by the
-agent with HPCT_GENERATION above 0) joins and receives the state instead of initialising it.
+agent with HPCT_GENERATION above 0) joins and receives the state instead of initialising it; so
+does every rank whose first world is past generation 0 (the view moved before the world formed).
 At step boundaries ``hd.membership_changed()`` says whether the agents grew the world (a spare
 node, or a node that came back after a shrink); every member then calls ``hd.grow()`` and the
 newcomers take the state the same way.
@@ -100,9 +101,11 @@ def main() -> int:
     else:
         dist.init_process_group(args.backend, **timeout)
     model, opt = build()
-    # A replacement holds no state until it joins; everyone else starts equal (same seed).
+    # A replacement holds no state until it joins; everyone else starts equal (same seed).  A first
+    # world past generation 0 (the view moved before it formed: a spare or a replacement is in it)
+    # is joined by every rank, or the newcomers' join would meet the others' DDP set-up and both wait.
     healthy, step, net = record["generation"] == 0, 0, None
-    must_join = not healthy
+    must_join = not healthy or (args.backend == "hpct" and hd.generation() > 0)
     if args.checkpoint and healthy:
         step = load_checkpoint(args.checkpoint, model, opt)
         record["resumed_at"] = step

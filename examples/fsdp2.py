@@ -113,16 +113,22 @@ def main() -> int:
         hd.init_process_group()
     else:
         dist.init_process_group(args.backend)
-    # A replacement holds no shards until it joins; everyone else starts equal (same seed).
+    # A replacement holds no shards until it joins; everyone else starts equal (same seed).  A first
+    # world past generation 0 holds a newcomer (the view moved before it formed): every rank joins
+    # it, and a rank started at generation 0 offers its seeded shards (step 0).
     kept, step, model, before = None, 0, None, None     # before: the shards from before the last step
-    fresh, synced = record["generation"] == 0, False      # synced: this rank's shards are the job's
+    seeded = record["generation"] == 0
+    fresh = seeded and not (args.backend == "hpct" and hd.generation() > 0)
+    synced = False                                        # synced: this rank's shards are the job's
     while True:
         try:
             if model is None:       # the first world, a recovery, or a replacement's first world
                 synced, (mesh, model, opt) = False, build(args.replicas)
                 if not fresh:
+                    if seeded and kept is None:
+                        kept = {"now": shards(opt), "before": None}
                     step, before = join(mesh, opt, kept, step), None
-                fresh, synced = False, True
+                fresh, synced, seeded = False, True, False
             if step >= args.steps:  # leave together: a peer lost now is recovered as in a step
                 full = [p.full_tensor() for p in opt.param_groups[0]["params"]]
                 dist.barrier()
@@ -138,7 +144,7 @@ def main() -> int:
                 kept = {"now": shards(opt), "before": before}
             hd.abort_all()
             hd.recover()            # the agent replaced the lost worker: same ranks, new generation
-            model = None
+            model, fresh = None, False
             record["recoveries"].append({"at_step": step, "seconds": time.time() - t0,
                                          "generation": hd.generation(), "time": time.time()})
             continue

@@ -135,3 +135,24 @@ def test_a_spare_behind_a_slow_port_is_not_taken_in():
     assert list(lead._judge_links()) == [3] and lead._idle() == []
     lead._drop([2], [])
     assert lead.nodes == [0, 1], "a lost node's slot is not given to a node whose links are slow: a shrink"
+
+
+def test_a_job_of_two_nodes_gives_a_slow_nodes_slot_to_the_spare_and_goes_on():
+    """Two members and a spare: the swap keeps one of the last view's two nodes, but the slow one
+    answers (it is slow, not cut off), so this side is no minority and nothing is split.  Before,
+    the member that gave the slot and the spare that took it both ended the job ("1 of the last
+    view's 2 nodes remain here, no majority"), found by a node slow from the job's start."""
+    lead, spare, slowpoke = Agent(1, nnodes=2), Agent(2, nnodes=2), Agent(0, nnodes=2)
+    feed(lead, reports(0, [0, 1], idle=(2,)))
+    lead._judge_links()
+    lead.slow[0] -= SLOW_HOLD_S
+    lead._give_slow_slot(lead._judge_links())
+    assert (lead.generation, lead.nodes) == (1, [2, 1]) and lead.end is None, lead.end and lead.end.message
+    for agent in (spare, slowpoke):
+        agent._merge(lead.generation, lead.nodes, sender=1)
+    assert (spare.generation, spare.nodes) == (1, [2, 1]) and spare.end is None, "the spare takes the slot"
+    assert slowpoke.nodes == [2, 1] and slowpoke.end is None, "the slow node follows, idle"
+    lost = Agent(1, nnodes=2)
+    lost._drop([0], [])
+    assert lost.nodes == [2, 1] and "1 of the last view's 2 nodes remain here" in lost.end.message, \
+        "a silent node is still no majority's: the side that cannot hear it stops"

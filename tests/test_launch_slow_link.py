@@ -9,12 +9,13 @@ fault-free one.  The judgement's rules are tests/test_launch_links.py's."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
 from launch_cluster import Agents, records
 from netns import unavailable_reason
-from test_launch_recovery import EXAMPLE, LIMIT_S, stock_digest, wait_progress
+from test_launch_recovery import EXAMPLE, FSDP2, LIMIT_S, stock_digest, wait_progress
 
 pytestmark = [pytest.mark.serial, pytest.mark.multihost]
 
@@ -55,3 +56,46 @@ def test_a_node_whose_link_turns_slow_gives_its_ranks_to_a_spare_and_the_run_is_
     for n in (1, 2, 3):
         assert agents.events(n, "view")[-1]["nodes"] == [3, 1, 2], agents.output(n)
     assert not [e for n in range(4) for e in agents.events(n, "node-lost")], "nothing was lost: a slot given away"
+
+
+LATE = str(Path(__file__).with_name("late_start.py"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", [EXAMPLE, FSDP2], ids=["ddp", "fsdp2"])
+def test_a_node_slow_from_the_start_gives_its_slot_before_the_first_world_and_every_rank_joins_it(tmp_path, script):
+    """Node 0's port is slow from the start and its slot goes to the spare before any worker
+    connects (they start 5 s late, as on a starved node importing torch).  The first world is then
+    generation 1 and holds the spare's newcomers, which must receive the state: the ranks started
+    at generation 0 join that world too (their seeded state is step 0) instead of building DDP or
+    FSDP2 while the newcomers wait in their join.  Before, both sides waited out the op timeout
+    and then recovered (the 30-minute soak lost its start so, and once the whole job)."""
+    if (why := unavailable_reason()) is not None:
+        pytest.skip(why)
+    from lossy import lossy_network
+
+    nodes, steps = (3, STEPS[:1] + ["30"] + STEPS[2:]) if script == EXAMPLE else (2, ["--steps", "20"])
+    expect = stock_digest(tmp_path, 2 * nodes, script=script, steps=steps)
+    out = tmp_path / "out"
+    out.mkdir()
+    with lossy_network(nodes + 1, name_prefix="hpct-late", subnet="10.243.0") as net:
+        net.impair(0, delay_ms=20)
+        bound = ["--op-timeout", "10"] if script == EXAMPLE else []     # fsdp2.py keeps torch's
+        args = ["--nnodes", str(nodes), "--spare-nodes", "1", "--nproc-per-node", "2",
+                "--hosts", ",".join(n.address for n in net.nodes), LATE, script, *steps, *bound, "--out", str(out)]
+        env = {"HPCT_CONNECT_TIMEOUT": "30", "HPCT_TEST_LATE_START_S": "5"}
+        with Agents(tmp_path, args, nodes=nodes + 1, namespaces=net.nodes, env=env) as agents:
+            agents.start()
+            (moved,) = agents.wait_event(1, "slow-node", 60)
+            net.impair(0)
+            codes = agents.wait(LIMIT_S)
+            assert codes == [0] * (nodes + 1), [agents.output(n)[-3000:] for n in range(nodes + 1)]
+            starts = [e for n in range(1, nodes + 1) for e in agents.events(n, "start")]
+    assert (moved["node"], moved["spare"]) == (0, nodes), moved
+    final = {r["rank"]: r for r in records(out)}
+    assert sorted(final) == list(range(2 * nodes)), final
+    assert {r["digest"] for r in final.values()} == {expect}, "not the fault-free run's parameters"
+    # Nothing failed after the first world formed: no rank recovered, none restarted.
+    assert not [r for r in final.values() if r["recoveries"]], [r["recoveries"] for r in final.values()]
+    assert len(starts) == 2 * nodes, starts
+    assert sorted(r["generation"] for r in final.values()) == [0] * (2 * nodes - 2) + [1, 1], final

@@ -90,7 +90,7 @@ class View:
             why = (f"node {node}'s links are slow: an ask takes {own:g} ms against {others:g} ms between the "
                    f"others (--slow-link-ms {self.opts.slow_link_ms:g}); node {spare} takes its slot")
             self.events.emit("slow-node", why, node=node, link_ms=own, others_ms=others, spare=spare)
-            self._move(self.generation + 1, [spare if n == node else n for n in self.nodes], why)
+            self._move(self.generation + 1, [spare if n == node else n for n in self.nodes], why, present=(node,))
 
     def _drop(self, silent: list[int], left: list[int], probed: bool = False) -> None:
         with self.cond:
@@ -143,13 +143,18 @@ class View:
                 self._move(self.generation + 1, self.nodes + idle[:1], f"node {idle[0]} joins (grow)")
 
     # -- the view ------------------------------------------------------------------------------
-    def _move(self, generation: int, nodes: list[int], why: str) -> None:
-        """Caller holds the lock.  Take a newer view and push it to every peer."""
-        before, kept = len(self.nodes), len(set(nodes) & set(self.nodes))
+    def _move(self, generation: int, nodes: list[int], why: str, present: tuple[int, ...] = ()) -> None:
+        """Caller holds the lock.  Take a newer view and push it to every peer.  ``present``: nodes
+        of the last view that leave this one alive and answering (a slow node whose slot is given
+        away): this side still holds them, so they count for its majority."""
+        member = self.node in self.nodes
+        before, kept = len(self.nodes), len((set(nodes) | set(present)) & set(self.nodes))
         # A grow appends nodes and breaks no member's world: they take it at a step boundary.
         grow = len(nodes) > before and list(nodes[:before]) == self.nodes
         self.generation, self.nodes = generation, list(nodes)
-        if kept * 2 <= before and kept < before and self.node in self.nodes:
+        # Only a member of the last view has a side to count: an idle node taken in follows the
+        # members' choice (a spare taking one of two slots would otherwise stop the job).
+        if kept * 2 <= before and kept < before and member and self.node in self.nodes:
             self.end = JobEnd(LaunchError.exit_code,
                               f"{kept} of the last view's {before} nodes remain here, no majority: "
                               "stopping, so that a split network never trains two worlds",
