@@ -303,8 +303,9 @@ def test_a_worker_that_never_comes_to_re_form_is_killed_at_once_if_stopped_else_
     timeout (60 s here) later; a worker that runs but never asks (deadlocked) keeps its op timeout
     (2 s), within which a busy worker would still come.  The loss path replaces both."""
     op_timeout = 60 if hang == "stopped" else 2
-    with Agents(tmp_path, ["--nproc-per-node", "2", "--port-base", port_base(), WORKER, str(tmp_path),
-                           "re-form-or-hang", str(op_timeout)]) as agents:
+    # --stopped-grace 0: the stopped worker is left to this path (a grace takes it sooner, view or not).
+    with Agents(tmp_path, ["--nproc-per-node", "2", "--stopped-grace", "0", "--port-base", port_base(), WORKER,
+                           str(tmp_path), "re-form-or-hang", str(op_timeout)]) as agents:
         agents.start()
         wait_ready(agents, tmp_path, 1)
         pid = agents.worker_pid(0, 1)

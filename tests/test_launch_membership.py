@@ -20,7 +20,8 @@ import pytest
 from hpct.launch import membership, wire
 from hpct.launch.links import LinkTimes
 from hpct.launch.membership import Membership
-from hpct.launch.workers import STANDBY_DEFER_S, STOPPED_NO_SHOW_S, is_stopped, no_shows, note_stopped, standbys_due
+from hpct.launch.workers import (STANDBY_DEFER_S, STOPPED_NO_SHOW_S, is_stopped, no_shows, note_stopped, standbys_due,
+                                 stopped_past)
 
 pytestmark = pytest.mark.unit
 
@@ -246,19 +247,35 @@ def test_a_silent_worker_seen_stopped_is_a_no_show_without_waiting_its_op_timeou
     (10 s here) after its peers' collectives already timed out on it only adds to the stall."""
     stopped, sleeping = worker(), worker(proc=Proc(pid=4343))
     probe = {4242: True, 4343: False}.__getitem__
-    note_stopped([stopped, sleeping], 2, 105.0, now=105.2, probe=probe)
+    note_stopped([stopped, sleeping], now=105.2, probe=probe)
     assert (stopped.stopped_since, sleeping.stopped_since) == (105.2, None)
-    note_stopped([stopped, sleeping], 2, 105.0, now=105.9, probe=probe)
+    note_stopped([stopped, sleeping], now=105.9, probe=probe)
     assert stopped.stopped_since == 105.2, "seen stopped since its first look"
     assert no_shows([stopped, sleeping], 2, broke_at=105.0, now=105.9, default_s=300.0) == [], \
         f"seen stopped for less than {STOPPED_NO_SHOW_S} s"
     assert no_shows([stopped, sleeping], 2, broke_at=105.0, now=106.3, default_s=300.0) == [stopped]
-    note_stopped([stopped], 2, 105.0, now=106.4, probe=lambda pid: False)
+    note_stopped([stopped], now=106.4, probe=lambda pid: False)
     assert stopped.stopped_since is None, "continued: it may still come within its op timeout"
     assert no_shows([stopped], 2, broke_at=105.0, now=106.5, default_s=300.0) == []
     late = worker(watched=105.5)
-    note_stopped([late], 2, 105.0, now=106.0, probe=lambda pid: True)
-    assert late.stopped_since is None, "asked the agent after the move: not looked at"
+    note_stopped([late], now=106.0, probe=lambda pid: True)
+    assert no_shows([late], 2, broke_at=105.0, now=200.0, default_s=300.0) == [], \
+        "asked the agent after the move: it is not the one its peers wait for"
+
+
+def test_a_worker_stopped_past_the_stopped_grace_is_taken_whatever_the_view():
+    """The job's collectives wait on a stopped worker from its first second, view move or not: past
+    --stopped-grace it is taken; a shorter stop rides through, and a grace of 0 takes nobody."""
+    stopped, brief, gone = worker(formed=2), worker(formed=2, proc=Proc(pid=4343)), worker(proc=Proc(alive=False))
+    note_stopped([stopped, brief, gone], now=100.0, probe=lambda pid: True)
+    assert gone.stopped_since is None, "exited: the loss path has it"
+    assert stopped_past([stopped, brief], now=102.9, grace=3.0) == [], "stopped for less than the grace"
+    note_stopped([stopped, brief], now=101.0, probe={4242: True, 4343: False}.__getitem__)
+    assert brief.stopped_since is None, "continued after a second: it rode through"
+    assert stopped_past([stopped, brief], now=103.0, grace=3.0) == [stopped]
+    assert stopped_past([stopped], now=1000.0, grace=0.0) == [], "--stopped-grace 0: waited for"
+    stopped.reaped = True
+    assert stopped_past([stopped], now=103.0, grace=3.0) == [], "killed once already"
 
 
 def test_is_stopped_reads_a_real_process_state():

@@ -62,6 +62,7 @@ class NodeAgent(Losses, Membership):
         self.workers: dict[int, Worker] = {}
         self.restarts: dict[int, int] = {}
         self.broke_at: float | None = None       # the last view move that broke the members' world
+        self.stopped_checked = 0.0               # when the workers' states were last read (losses.py)
         self.link_times = LinkTimes()            # this agent's answered asks per peer (links.py)
         self.heard_links: dict[int, tuple[float, dict[int, float]]] = {}   # node -> (when, its links)
         self.slow: dict[int, float] = {}         # node -> since when its links stand out

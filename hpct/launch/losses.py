@@ -12,7 +12,7 @@ import signal
 import time
 
 from .view import JobEnd
-from .workers import Worker, no_shows, note_stopped, re_form_bound, stopped_long, tail
+from .workers import STOPPED_CHECK_S, Worker, no_shows, note_stopped, re_form_bound, stopped_long, stopped_past, tail
 
 
 class Losses:
@@ -36,14 +36,25 @@ class Losses:
             self._start(local, self.restarts.get(local, 0))
 
     def _reap_no_shows(self) -> None:
-        """Kill the workers that did not come to re-form (workers.no_shows): their exit is a loss,
-        and the loss path replaces them."""
+        """Kill the workers stopped by a signal past ``--stopped-grace`` (workers.stopped_past) and
+        those that did not come to re-form (workers.no_shows): their exit is a loss, and the loss
+        path replaces them."""
         with self.cond:
             gen, broke_at = self.generation, self.broke_at
         now = time.monotonic()
-        note_stopped(self.workers.values(), gen, broke_at, now)
+        if now - self.stopped_checked < STOPPED_CHECK_S:
+            return
+        self.stopped_checked = now
+        note_stopped(self.workers.values(), now)
+        grace = self.opts.stopped_grace
+        for w in stopped_past(self.workers.values(), now, grace):
+            self.events.emit("stopped", f"rank {w.rank} pid {w.proc.pid} stopped by a signal for "
+                             f"{now - w.stopped_since:.1f} s (--stopped-grace {grace:g}): the job's collectives "
+                             "wait on it and it runs nothing until continued; it is killed and a replacement "
+                             "takes its rank", rank=w.rank, pid=w.proc.pid, generation=gen,
+                             seconds=round(now - w.stopped_since, 3))
+            _kill(w)
         for w in no_shows(self.workers.values(), gen, broke_at, now, self.cfg.connect_timeout):
-            w.reaped = True
             stopped = stopped_long(w, now)
             why = (f"stopped by a signal for {now - w.stopped_since:.1f} s (it runs nothing until continued)"
                    if stopped else f"past its op timeout ({re_form_bound(w, self.cfg.connect_timeout):g} s)")
@@ -53,10 +64,7 @@ class Losses:
                              "deadlocked), it is killed and a replacement takes its rank",
                              rank=w.rank, pid=w.proc.pid, generation=gen, formed=w.formed,
                              stopped=stopped)
-            try:
-                os.killpg(w.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            _kill(w)
 
     def _restart_stale(self, local: int, w: Worker, code: int) -> None:
         """A worker that ended before it joined, started for a view that has moved on since (this
@@ -68,6 +76,15 @@ class Losses:
                          f"joined; the view is at generation {self.generation}: it starts again there",
                          rank=w.rank, pid=w.proc.pid, code=code, generation=w.generation)
         self._start(local, self.restarts.get(local, 0))
+
+
+def _kill(w: Worker) -> None:
+    """Kill a worker taken for hung: its exit is then the loss that replaces it."""
+    w.reaped = True
+    try:
+        os.killpg(w.proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _how(code: int) -> str:

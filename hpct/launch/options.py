@@ -37,6 +37,9 @@ REFUSED_FLAGS = {
     "--virtual-local-rank": "LOCAL_RANK is the process's place on its node",
 }
 DEFAULT_GRACE_S = 5.0          # an agent silent this long is a lost node
+# A worker stopped by a signal this long is killed and replaced (workers.py's stopped_past): every
+# collective of the job waits on it meanwhile, and a stop of a second or two still rides through.
+DEFAULT_STOPPED_GRACE_S = 3.0
 STOP_GRACE_S = 10.0            # SIGTERM to workers, then SIGKILL after this
 # A node whose agent's asks take longer than this (and SLOW_FACTOR times the rest of the job's) gives
 # its slot to a spare (links.py).  Asks inside a data centre take well under 1 ms; 10 ms is a link gone bad.
@@ -85,6 +88,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "lost node's place (its ranks), and a node that comes back after a shrink joins by grow")
     add("--port-base", type=int, default=None, help="HPCT_PORT_BASE for the job's port plan")
     add("--node-grace", type=float, default=DEFAULT_GRACE_S, help="seconds of silence that make a node lost")
+    add("--stopped-grace", type=float, default=DEFAULT_STOPPED_GRACE_S, help="seconds a worker may stay "
+        "stopped by a signal (SIGSTOP, SIGTSTP) before it is killed and replaced; 0: its peers wait for it "
+        "until their op timeout")
     add("--slow-link-ms", type=float, default=DEFAULT_SLOW_LINK_MS, help="a node whose links are this slow "
         f"(the median agent ask, in ms) and {SLOW_FACTOR:g}x slower than the rest gives its ranks to an idle spare "
         "node; 0: never")
@@ -116,6 +122,7 @@ class RunOptions:
     log_dir: Path
     json_log: Path | None
     node_grace: float
+    stopped_grace: float              # workers.py's stopped_past; 0: a stopped worker is waited for
     slow_link_ms: float               # links.py; 0: a slow node keeps its slot
     port_env: tuple[tuple[str, str], ...]   # HPCT_PORT_BASE etc. for the workers, when given
     unused: tuple[str, ...] = ()
@@ -154,7 +161,7 @@ class RunOptions:
             raise LaunchError(f"--node-rank {node_rank} is not below --nnodes {nnodes}"
                               f"{f' plus --spare-nodes {spares}' if spares else ''}",
                               fix=f"give each node's agent a rank from 0 to {nnodes + spares - 1}")
-        for name in ("max_restarts", "standby", "slow_link_ms"):
+        for name in ("max_restarts", "standby", "slow_link_ms", "stopped_grace"):
             if args.get(name, 0) < 0:
                 raise LaunchError(f"--{name.replace('_', '-')} {args[name]} is negative", fix="give 0 or more")
         script = args["training_script"]
@@ -180,6 +187,7 @@ class RunOptions:
                    command=command + tuple(args.get("training_script_args") or ()),
                    python_script=not args.get("no_python"), log_dir=log_dir.resolve(), json_log=json_log,
                    node_grace=float(args.get("node_grace", DEFAULT_GRACE_S)),
+                   stopped_grace=float(args.get("stopped_grace", DEFAULT_STOPPED_GRACE_S)),
                    slow_link_ms=float(args.get("slow_link_ms", DEFAULT_SLOW_LINK_MS)), port_env=port_env,
                    unused=tuple(args.get("unused") or ()))
 

@@ -33,12 +33,13 @@ class Worker:
     re_forming: bool = False     # it asked for a new world (recover()) and has not formed one since
     op_timeout: float | None = None   # its world's op timeout, seconds (it told the agent)
     reaped: bool = False         # killed as a no-show: its exit is the loss that replaces it
-    stopped_since: float | None = None   # seen stopped by a signal since (monotonic), while a no-show candidate
+    stopped_since: float | None = None   # seen stopped by a signal since (monotonic): note_stopped
 
 
 # A worker its peers wait for, seen stopped by a signal this long, is taken for hung without
 # waiting out its op timeout: it runs no code until someone continues it (no_show_bound).
 STOPPED_NO_SHOW_S = 1.0
+STOPPED_CHECK_S = 0.25     # how often an agent reads its workers' states (note_stopped)
 STANDBY_DEFER_S = 30.0     # a node's standbys start at the latest this long after its workers (standbys_due)
 # A standby imports the interpreter's own packages, as the agent did: ``-m`` would put the working
 # folder first on sys.path, and a source checkout of hpct there (an ``hpct/`` folder without the
@@ -204,11 +205,19 @@ def is_stopped(pid: int) -> bool:
     return stat[stat.rfind(b")") + 2:][:1] == b"T"
 
 
-def note_stopped(workers, generation: int, broke_at: float | None, now: float, probe=is_stopped) -> None:
-    """Track since when each silent worker (``silent``) is seen stopped; only those are looked at."""
+def note_stopped(workers, now: float, probe=is_stopped) -> None:
+    """Track since when each running worker is seen stopped by a signal (None: running)."""
     for w in workers:
-        stopped = silent(w, generation, broke_at) and probe(w.proc.pid)
+        stopped = not w.reaped and w.proc.poll() is None and probe(w.proc.pid)
         w.stopped_since = (now if w.stopped_since is None else w.stopped_since) if stopped else None
+
+
+def stopped_past(workers, now: float, grace: float) -> list[Worker]:
+    """The workers seen stopped for ``grace`` seconds (0: none ever is).  Each collective of the
+    job waits on such a worker, and it runs nothing until someone continues it: waiting for its
+    peers' op timeout (then for their re-form) only lengthens the stall a replacement ends."""
+    return [w for w in workers if grace > 0 and not w.reaped and w.stopped_since is not None
+            and now - w.stopped_since >= grace]
 
 
 def stopped_long(w: Worker, now: float) -> bool:
