@@ -95,6 +95,7 @@ class Job:
             flags = ["--nnodes", str(self.nodes), "--nproc-per-node", str(self.nproc), "--standby", str(self.standby),
                      "--spare-nodes", str(self.spares), "--rdzv-id", "goodput",
                      "--hosts", ",".join(n.address for n in self.ns[:every])]
+            flags += ["--fork-server"] if self.args.fork_server else []
             env["HPCT_CONNECT_TIMEOUT"] = "30"
             self.agents = Agents(self.tmp, [*flags, *self.script], nodes=every, namespaces=self.ns, env=env)
             self.agents.start()
@@ -369,6 +370,8 @@ def main(argv=None) -> int:
     ap.add_argument("--during-s", type=float, default=0.3, help="the second kill's delay in a 'during' fault")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per job (default: 3x --minutes + 120)")
     ap.add_argument("--keep", action="store_true", help="keep every job's folder (failed jobs' always)")
+    ap.add_argument("--fork-server", action="store_true", help="hpct: fork the workers from one process per node "
+                    "that imported torch (hpct run --fork-server)")
     ap.add_argument("--steps", type=int, default=None,
                     help="the job's steps (default: as many as --minutes holds at the calibrated step time); "
                          "the same steps, seed and job reuse the cached fault-free digest")

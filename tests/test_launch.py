@@ -46,6 +46,8 @@ def run(tmp_path, *args, timeout=60):
     (["--nnodes", "2"], "--nnodes 2 needs the nodes' addresses"),
     (["--standalone", "--nnodes", "2"], "--standalone runs one node, but --nnodes is 2"),
     (["--no-python", "--standby", "1"], "--standby needs a Python script"),
+    (["--no-python", "--fork-server"], "--fork-server needs a Python script"),
+    (["--stopped-grace", "-2"], "--stopped-grace -2.0 is negative"),
     (["--max-restarts", "-1"], "--max-restarts -1 is negative"),
     (["--nnodes", "2", "--hosts", "198.51.100.1,198.51.100.2"], "no entry of the host list"),
     (["--nnodes", "2", "--hosts", "127.0.0.1,127.0.0.1"], "127.0.0.1"),

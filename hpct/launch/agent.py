@@ -26,6 +26,7 @@ from ..config import VARIABLES, Config
 from ..errors import LaunchError
 from . import wire
 from .events import EventLog
+from .forkserver import ForkServer
 from .links import LinkTimes
 from .losses import Losses
 from .membership import ASK_TIMEOUT_S, JobEnd, Membership
@@ -34,6 +35,7 @@ from .workers import Pool, Worker, standbys_due, stop, stranded
 
 POLL_S = 0.02                 # worker exits are noticed within this
 FOLLOWS_S = 1.0               # a worker that asked about the view this recently follows a newer one itself
+FORK_READY_S = 120.0          # a fork server not warm by then (torch not importable?): workers start cold
 
 
 class NodeAgent(Losses, Membership):
@@ -128,6 +130,8 @@ class NodeAgent(Losses, Membership):
             self.events.emit("agent", f"node {self.node} of {o.nnodes} at {o.hosts[self.node]}:{self.port}, "
                              f"job {o.run_id!r}, hosts from {o.host_source}, logs in {o.log_dir}",
                              port=self.port, pid=os.getpid(), hosts=list(o.hosts), run_id=o.run_id)
+            if o.fork_server:           # it imports torch while the agents find each other
+                self.pool.forks = ForkServer(self.pool.log_dir / "fork-server.log", self.base_env)
             for flag in o.unused:
                 self.events.emit("unused", f"{flag} is not used: agents find each other from the host list "
                                  "and the port plan", flag=flag)
@@ -175,6 +179,17 @@ class NodeAgent(Losses, Membership):
             self.pool.size = max(o.standby, o.nproc_per_node)
 
     def _take_slot(self) -> None:
+        forks = self.pool.forks
+        if forks is not None and not forks.ready.is_set():
+            t0 = time.monotonic()      # its one import of torch, against one per worker
+            while not forks.ready.wait(0.1) and forks.alive() and time.monotonic() - t0 < FORK_READY_S \
+                    and self.signalled is None and self.end is None:
+                pass
+            ready = forks.ready.is_set()
+            self.events.emit("fork-server", f"pid {forks.proc.pid} " + (
+                f"ready after {time.monotonic() - t0:.1f} s more" if ready else
+                f"not ready within {FORK_READY_S:g} s: workers start cold (its log {forks.log})"),
+                pid=forks.proc.pid, ready=ready)
         with self.cond:
             gen = self.generation
         self.events.emit("admitted", f"node {self.node} holds a slot of generation {gen}: its workers start",

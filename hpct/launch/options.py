@@ -84,6 +84,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     add("--hosts", default=None, help="node addresses, node 0 first: a comma list or a Slurm hostlist")
     add("--hostfile", default=None, help="file with one node address per line")
     add("--standby", type=int, default=0, help="warm standby processes per node (torch imported)")
+    add("--fork-server", action="store_true", help="fork each worker from one process per node that imported "
+        "torch once, instead of starting an interpreter per worker")
     add("--spare-nodes", type=int, default=0, help="spare nodes listed after the active ones: one takes a "
         "lost node's place (its ranks), and a node that comes back after a shrink joins by grow")
     add("--port-base", type=int, default=None, help="HPCT_PORT_BASE for the job's port plan")
@@ -116,6 +118,7 @@ class RunOptions:
     run_id: str
     max_restarts: int
     standby: int
+    fork_server: bool                 # forkserver.py: workers forked from one warm process per node
     spare_nodes: int                  # host list entries after the nnodes active ones
     command: tuple[str, ...]          # the worker's argv
     python_script: bool               # standbys can run it (not --no-python)
@@ -166,9 +169,11 @@ class RunOptions:
                 raise LaunchError(f"--{name.replace('_', '-')} {args[name]} is negative", fix="give 0 or more")
         script = args["training_script"]
         if args.get("no_python"):
-            if args.get("standby"):
-                raise LaunchError("--standby needs a Python script: a standby is a Python process with "
-                                  "torch imported", fix="drop --no-python or --standby")
+            for flag in ("standby", "fork_server"):
+                if args.get(flag):
+                    raise LaunchError(f"--{flag.replace('_', '-')} needs a Python script: it runs the script in "
+                                      "a Python process that imported torch already",
+                                      fix=f"drop --no-python or --{flag.replace('_', '-')}")
             command = (script,)
         elif args.get("module"):
             command = ("-m", script)
@@ -183,6 +188,7 @@ class RunOptions:
         json_log = Path(args["json_log"]) if args.get("json_log") else None
         return cls(nnodes=nnodes, nproc_per_node=nproc, node_rank=node_rank, hosts=hosts, host_source=source,
                    run_id=run_id, max_restarts=args.get("max_restarts", 0), standby=args.get("standby", 0),
+                   fork_server=bool(args.get("fork_server")),
                    spare_nodes=spares,
                    command=command + tuple(args.get("training_script_args") or ()),
                    python_script=not args.get("no_python"), log_dir=log_dir.resolve(), json_log=json_log,

@@ -62,6 +62,7 @@ class Pool:
         self.started = 0
         self.last_failure: str | None = None
         self.backoff, self.next_try = 0.0, 0.0
+        self.forks = None           # the node's fork server (forkserver.py), with --fork-server
         self.lock = threading.Lock()
         log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -128,6 +129,9 @@ class Pool:
         return None
 
     def _cold_why(self, warm_ok: bool) -> str:
+        if self.forks is not None:
+            return (f"cold: the fork server pid {self.forks.proc.pid} "
+                    f"{'is not ready' if self.forks.alive() else 'ended'} (its log {self.forks.log})")
         if not warm_ok:
             return "cold: a first start (generation 0)"
         if not self.python_script:
@@ -153,6 +157,11 @@ class Pool:
             standby.stdout.close()
             return Worker(place, local_rank, rank, generation, standby, log, warm=True,
                           why=f"warm: standby pid {standby.pid}")
+        if self.forks is not None:
+            proc = self.forks.fork(list(self.command), env, log)
+            if proc is not None:
+                return Worker(place, local_rank, rank, generation, proc, log, warm=False,
+                              why=f"forked: from the fork server pid {self.forks.proc.pid}")
         why = self._cold_why(warm_ok)
         argv = list(self.command) if not self.python_script else [sys.executable, *self.command]
         with open(log, "w") as out:
@@ -169,6 +178,8 @@ class Pool:
             standbys, self.standbys = self.standbys, []
         for p in standbys:
             stop([p], 0.0)
+        if self.forks is not None:
+            self.forks.close()          # it ends after its last worker
 
 
 def standbys_due(workers, started: float, now: float) -> bool:
