@@ -4,8 +4,9 @@
 examples/ddp.py (``--step-time`` seconds of simulated compute per step) runs on NODES x WORKERS
 in network namespaces (one per node, on a bridge), under two systems in the same invocation:
 
-* **hpct**: ``hpct run --standby 1`` (a warm standby per node replaces a lost worker in place;
-  the survivors recover in-process), with ``--spare-nodes 1`` when nodes are lost or links turn
+* **hpct**: ``hpct run --standby 1 --fork-server`` (a warm standby per node replaces a lost
+  worker in place, and every other worker is forked from the node's fork server, which imported
+  torch once; the survivors recover in-process), with ``--spare-nodes 1`` when nodes are lost or links turn
   lossy (the spare takes the first lost node's ranks, or a slow node's; after that the survivors
   shrink while a majority lives, or ride a slow link through);
 * **stock**: ``torchrun --max-restarts`` on Gloo, ``--checkpoint-every K``: rank 0 saves the state
@@ -51,7 +52,7 @@ import goodput_reference
 from launch import EXAMPLE, REPO, TAG_VAR, _descendants, _environ, _kill_tagged, _torch_version
 
 SUBNET = "10.238.0"
-SYSTEMS = {"hpct": "hpct run --standby 1", "stock": "torchrun --max-restarts, checkpoint every K steps"}
+SYSTEMS = {"hpct": "hpct run --standby 1 --fork-server", "stock": "torchrun --max-restarts, checkpoint every K steps"}
 CALIBRATION_STEPS = 100       # 30 timed the step to within 7 % only (goodput_faults.clear_step_s)
 MAX_DELAY_S = 60.0     # a fault due while no process holds its rank waits for the next one this long
 
@@ -95,7 +96,7 @@ class Job:
             flags = ["--nnodes", str(self.nodes), "--nproc-per-node", str(self.nproc), "--standby", str(self.standby),
                      "--spare-nodes", str(self.spares), "--rdzv-id", "goodput",
                      "--hosts", ",".join(n.address for n in self.ns[:every])]
-            flags += ["--fork-server"] if self.args.fork_server else []
+            flags += [] if self.args.no_fork_server else ["--fork-server"]
             env["HPCT_CONNECT_TIMEOUT"] = "30"
             self.agents = Agents(self.tmp, [*flags, *self.script], nodes=every, namespaces=self.ns, env=env)
             self.agents.start()
@@ -370,8 +371,8 @@ def main(argv=None) -> int:
     ap.add_argument("--during-s", type=float, default=0.3, help="the second kill's delay in a 'during' fault")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per job (default: 3x --minutes + 120)")
     ap.add_argument("--keep", action="store_true", help="keep every job's folder (failed jobs' always)")
-    ap.add_argument("--fork-server", action="store_true", help="hpct: fork the workers from one process per node "
-                    "that imported torch (hpct run --fork-server)")
+    ap.add_argument("--no-fork-server", action="store_true", help="hpct: start each worker as an interpreter of "
+                    "its own (hpct run without --fork-server)")
     ap.add_argument("--steps", type=int, default=None,
                     help="the job's steps (default: as many as --minutes holds at the calibrated step time); "
                          "the same steps, seed and job reuse the cached fault-free digest")

@@ -271,7 +271,7 @@ def test_an_fsdp2_hsdp_job_replaces_a_killed_worker_from_its_replicas_shards(tmp
 
 
 @contextlib.contextmanager
-def three_nodes(tmp_path: Path, grace: float, script: list[str], spares: int = 0):
+def three_nodes(tmp_path: Path, grace: float, script: list[str], spares: int = 0, flags: tuple[str, ...] = ()):
     """Three agents (and ``spares`` spare nodes' agents) in network namespaces, one worker each,
     running examples/ddp.py into tmp_path/out."""
     if (why := unavailable_reason()) is not None:
@@ -279,7 +279,7 @@ def three_nodes(tmp_path: Path, grace: float, script: list[str], spares: int = 0
     out = tmp_path / "out"
     out.mkdir()
     with netns_network(3 + spares, name_prefix="hpct-run", subnet="10.236.0") as ns:
-        args = ["--nnodes", "3", "--spare-nodes", str(spares), "--nproc-per-node", "1",
+        args = [*flags, "--nnodes", "3", "--spare-nodes", str(spares), "--nproc-per-node", "1",
                 "--hosts", ",".join(n.address for n in ns), "--node-grace", str(grace),
                 EXAMPLE, *script, "--out", str(out)]
         with Agents(tmp_path, args, nodes=3 + spares, namespaces=ns,
@@ -339,14 +339,17 @@ def test_a_lost_node_is_dropped_the_survivors_shrink_and_a_worker_lost_then_is_r
 
 @pytest.mark.multihost
 @pytest.mark.slow
-def test_a_spare_node_takes_a_lost_nodes_ranks_and_the_run_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("start", ["spawned", "forked"])
+def test_a_spare_node_takes_a_lost_nodes_ranks_and_the_run_is_bit_identical(tmp_path, start):
     """Node 1 of 3 is lost; the spare (node 3) takes its slot: the world keeps 3 ranks, the
     spare's worker is rank 1 at place 3 and receives the state, and the parameters equal a
     fault-free stock run of 3 ranks.  The grace is 10 s, but node 1's host refuses its agent port
     (nothing listens there any more), so it is dropped after REFUSED_S: before, a killed agent
-    cost its node the whole grace."""
+    cost its node the whole grace.  With --fork-server every worker is forked, the spare keeps no
+    standby, and node 1's server outlives its killed agent until its worker is gone."""
     expect = stock_digest(tmp_path, 3)
-    with three_nodes(tmp_path, 10, STEPS, spares=1) as (agents, out):
+    flags = ("--fork-server",) if start == "forked" else ()
+    with three_nodes(tmp_path, 10, STEPS, spares=1, flags=flags) as (agents, out):
         agents.wait_event(3, "idle", 60)
         wait_progress(agents, out, 0, 10)
         first = {n: agents.worker_pid(n, n) for n in (0, 2)}
@@ -367,6 +370,10 @@ def test_a_spare_node_takes_a_lost_nodes_ranks_and_the_run_is_bit_identical(tmp_
     assert lost["refused"] == [1] and "refused every ask for 1.5 s" in lost["message"], lost
     dropped = datetime.fromisoformat(lost["time"]).timestamp() - killed
     assert REFUSED_S <= dropped < REFUSED_S + 2 * HEARTBEAT_S + 1.5, (dropped, lost)
+    if start == "forked":
+        whys = [e["why"] for n in (0, 2, 3) for e in agents.events(n, "start")]
+        assert len(whys) == 3 and all(w.startswith("forked: from the fork server") for w in whys), whys
+        assert not agents.events(3, "standby"), "an idle node with a fork server keeps no standby"
 
 
 @pytest.mark.multihost

@@ -170,12 +170,13 @@ class NodeAgent(Losses, Membership):
                 stop([w.proc], 0.0)
 
     def _idle_wait(self) -> None:
-        """Outside the view: keep a warm standby for every local rank until taken in."""
+        """Outside the view: keep a warm standby for every local rank until taken in (with a fork
+        server, the slot's workers are forked from it instead)."""
         o = self.opts
         self.events.emit("idle", f"node {self.node} is outside the view (generation {self.generation}, nodes "
                          f"{self.nodes}): it waits to take a lost node's slot or to join by grow",
                          generation=self.generation, nodes=self.nodes)
-        if o.python_script:
+        if o.python_script and self.pool.forks is None:     # a fork server starts a slot's workers as fast
             self.pool.size = max(o.standby, o.nproc_per_node)
 
     def _take_slot(self) -> None:
