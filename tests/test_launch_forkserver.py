@@ -145,3 +145,32 @@ def test_hpct_run_forks_its_workers_and_a_killed_one_is_replaced_bit_identically
     assert ready["ready"] is True, ready
     starts = agents.events(0, "start")
     assert len(starts) == 4 and all(s["why"].startswith("forked: from the fork server") for s in starts), starts
+
+
+def test_an_order_the_server_does_not_answer_is_given_up_and_its_late_fork_killed(tmp_path, monkeypatch):
+    """A server that does not answer (stopped here) costs an order FORK_TIMEOUT_S: the agent then
+    starts the worker cold, so the fork that comes once the server runs again is killed at once:
+    never two processes of one rank."""
+    from hpct.launch import forkserver
+    from hpct.launch.workers import Pool
+    monkeypatch.setattr(forkserver, "FORK_TIMEOUT_S", 1.0)
+    fs = ForkServer(tmp_path / "server.log", dict(os.environ))
+    script = tmp_path / "w.py"
+    script.write_text(SCRIPT)
+    try:
+        assert fs.ready.wait(120), (tmp_path / "server.log").read_text()
+        os.kill(fs.proc.pid, signal.SIGSTOP)
+        assert fs.fork([str(script), "sleep"], {"PATH": os.environ["PATH"]}, tmp_path / "late.log") is None
+        pool = Pool((str(script), "0"), True, tmp_path / "logs", 0, {})
+        pool.forks = fs
+        assert "did not fork it within" in pool._cold_why(True)
+        os.kill(fs.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while not fs.abandoned or not any(e for e in fs.exits.values()):
+            assert time.monotonic() < deadline, (fs.abandoned, fs.exits)
+            time.sleep(0.05)
+        assert list(fs.exits.values()) == [-signal.SIGKILL], "the late fork was killed"
+    finally:
+        os.kill(fs.proc.pid, signal.SIGCONT)
+        fs.close()
+        fs.proc.kill()

@@ -209,10 +209,12 @@ class ForkServer:
 
 
 def _kill(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    """A fresh fork may not have made its own process group yet: the process, then its group."""
+    for kill in (os.kill, os.killpg):
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _running(pid: int) -> bool:

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .forkserver import FORK_TIMEOUT_S
+
 
 @dataclass
 class Worker:
@@ -130,8 +132,10 @@ class Pool:
 
     def _cold_why(self, warm_ok: bool) -> str:
         if self.forks is not None:
-            return (f"cold: the fork server pid {self.forks.proc.pid} "
-                    f"{'is not ready' if self.forks.alive() else 'ended'} (its log {self.forks.log})")
+            f = self.forks
+            state = ("ended" if not f.alive() else "is not ready" if not f.ready.is_set()
+                     else f"did not fork it within {FORK_TIMEOUT_S:g} s")
+            return f"cold: the fork server pid {f.proc.pid} {state} (its log {f.log})"
         if not warm_ok:
             return "cold: a first start (generation 0)"
         if not self.python_script:
