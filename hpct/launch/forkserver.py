@@ -218,9 +218,5 @@ def _kill(pid: int) -> None:
 
 
 def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")
+    from .workers import process_state      # workers.py imports this module
+    return process_state(pid) not in (None, b"Z", b"X")

@@ -39,12 +39,12 @@ class Losses:
         """Kill the workers stopped by a signal past ``--stopped-grace`` (workers.stopped_past) and
         those that did not come to re-form (workers.no_shows): their exit is a loss, and the loss
         path replaces them."""
-        with self.cond:
-            gen, broke_at = self.generation, self.broke_at
         now = time.monotonic()
         if now - self.stopped_checked < STOPPED_CHECK_S:
             return
         self.stopped_checked = now
+        with self.cond:
+            gen, broke_at = self.generation, self.broke_at
         note_stopped(self.workers.values(), now)
         grace = self.opts.stopped_grace
         for w in stopped_past(self.workers.values(), now, grace):

@@ -209,15 +209,21 @@ def silent(w: Worker, generation: int, broke_at: float | None) -> bool:
             and w.watched < broke_at and w.proc.poll() is None)
 
 
-def is_stopped(pid: int) -> bool:
-    """Whether a process is stopped by a signal (SIGSTOP, SIGTSTP: state T in /proc/PID/stat).  One
-    stopped by a tracer (t: a debugger, py-spy) is being looked at on purpose and is not."""
+def process_state(pid: int) -> bytes | None:
+    """A process's state letter in /proc/PID/stat (R, S, T, Z ...), or None: gone, or no /proc."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-    except OSError:             # gone, or no /proc: the op timeout bound holds
-        return False
-    return stat[stat.rfind(b")") + 2:][:1] == b"T"
+    except OSError:
+        return None
+    return stat[stat.rfind(b")") + 2:][:1]
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether a process is stopped by a signal (SIGSTOP, SIGTSTP: state T in /proc/PID/stat).  One
+    stopped by a tracer (t: a debugger, py-spy) is being looked at on purpose and is not.  Gone, or
+    no /proc: not stopped, and the op timeout bound holds."""
+    return process_state(pid) == b"T"
 
 
 def note_stopped(workers, now: float, probe=is_stopped) -> None:
