@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from hpct.launch import wire
+
 from hpct.launch.links import MIN_SAMPLES, SLOW_HOLD_S, WINDOW, LinkTimes, parse, slow_nodes
 from test_launch_membership import Agent
 
@@ -44,6 +46,24 @@ def test_load_that_slows_every_link_alike_singles_out_nobody():
     assert slow_nodes(rows, 10) == {}
     rows[0][1] = 400.0                   # one asker's spike on one link: the other links of 0 and 1 outvote it
     assert slow_nodes(rows, 10) == {}
+
+
+def test_an_asks_round_trip_is_the_links_not_the_time_a_busy_agent_takes_to_answer():
+    # A descheduled agent answering late lifted its node above the others in a fault-free soak
+    # and moved its slot; the kernel's handshake round trip does not see the answerer's delay.
+    def late(request: dict) -> dict:
+        time.sleep(0.3)
+        return {"op": "pong"}
+
+    server = wire.Server("127.0.0.1", 0, late)
+    try:
+        t0 = time.monotonic()
+        reply, rtt = wire.ask_timed("127.0.0.1", server.sock.getsockname()[1], {"op": "ping"}, 5.0)
+        took = time.monotonic() - t0
+    finally:
+        server.close()
+    assert reply == {"op": "pong"} and took >= 0.3
+    assert 0 < rtt < 0.05, f"the round trip {rtt * 1e3:.1f} ms holds the answer's delay"
 
 
 def test_two_nodes_are_never_judged_and_the_limit_holds():

@@ -1,13 +1,15 @@
-"""How long each agent's asks to its peers take, and which node's links stand out as slow.
+"""How long the round trips of each agent's asks to its peers take, and which node's links stand
+out as slow.
 
-Every heartbeat ask is timed (a connect and one request: two round trips).  An agent keeps the
-last ``WINDOW`` times per peer and tells its peers the median of each: its pings and its answers
-to pings carry them (``links``).  A node is slow when the links that touch it (asks from it and
-asks to it, as their askers reported them) have a median above both the limit (``--slow-link-ms``)
-and ``SLOW_FACTOR`` times the median of the links that do not touch it.  A node is judged only
-against links it has no part in, so a job with two nodes never judges: either end of their one
-link could be the slow one.  The agents' own load moves every link alike and lifts no node above
-the others; a lossy or delayed port lifts exactly the links through it.
+Every heartbeat ask's round trip is the kernel's measure of its connection's handshake
+(wire.ask_timed), not the ask's duration: an agent that a busy node schedules late answers late
+over a healthy link.  An agent keeps the last ``WINDOW`` round trips per peer and tells its peers
+the median of each: its pings and its answers to pings carry them (``links``).  A node is slow
+when the links that touch it (asks from it and asks to it, as their askers reported them) have a
+median above both the limit (``--slow-link-ms``) and ``SLOW_FACTOR`` times the median of the
+links that do not touch it.  A node is judged only against links it has no part in, so a job with
+two nodes never judges: either end of their one link could be the slow one.  A lossy or delayed
+port lifts exactly the links through it.
 
 Only asks that were answered are timed.  A peer that does not answer at all is the node grace's
 case (membership.py), not this one: a paused agent must not lose its node sooner than the grace.

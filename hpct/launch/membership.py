@@ -201,10 +201,9 @@ class Membership(View):
 
         def ask(n: int, view: dict) -> None:
             try:
-                t0 = time.monotonic()
-                reply = wire.ask(self.addrs[n], self.port, view, ASK_TIMEOUT_S)
+                reply, rtt = wire.ask_timed(self.addrs[n], self.port, view, ASK_TIMEOUT_S)
                 with self.cond:
-                    self.link_times.record(n, time.monotonic() - t0)
+                    self.link_times.record(n, rtt)
                 self._merge(reply["generation"], reply["nodes"], n)
                 self._hear_links(n, reply.get("links"))
             except (wire.WireError, KeyError) as err:
