@@ -21,8 +21,8 @@ shrunk world must be given the same ``plan_ranks`` (``hd.init_process_group(plan
 
 Under ``hpct run`` the agents decide the grow (a spare, or a node that came back, fills a
 world smaller than ``--nnodes``) and start the joiners; the members see it with
-``membership_changed()``, a collective they call at step boundaries, and ``grow()`` without a
-size then takes the agents' world::
+``membership_changed()``, a collective they call at step boundaries (it asks about once a
+second), and ``grow()`` without a size then takes the agents' world::
 
     if hd.membership_changed():      # every member, same step
         hd.grow()
@@ -32,6 +32,7 @@ size then takes the agents' world::
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -71,23 +72,64 @@ def plan_for(world_size: int, current: list[int], plan_ranks=None) -> list[int]:
     return plan
 
 
+CHECK_PERIOD_S = 1.0     # membership_changed() asks the agents about this often, however short a step
+MAX_SKIPPED = 100_000    # calls answered without asking, at most, between two asks
+
+
+class _Cadence:
+    """Which calls of membership_changed() ask the agent and all-reduce: the same ones on every
+    member.  Asking every call cost a 0.13 s step of the goodput soak a local request and a
+    one-element all-reduce across 4 nodes; a grow is seconds in the making anyway.  The
+    members call at the same step boundaries, so their counts of calls since their world formed
+    are equal; each ask's all-reduce also takes the longest time any member saw since the last
+    ask, so every member derives the same number of calls to answer False without asking."""
+
+    def __init__(self) -> None:
+        self.world: tuple | None = None     # (generation formed in, size): a new world asks at once
+        self.skip = 0                       # calls to answer without asking, after the last ask
+        self.calls = 0                      # calls since the last ask
+        self.asked = 0.0                    # time.monotonic() of the last ask, 0.0: none yet
+
+    def due(self, world_key: tuple) -> bool:
+        if world_key != self.world:
+            self.world, self.skip, self.calls, self.asked = world_key, 0, 0, 0.0
+        self.calls += 1
+        return self.calls > self.skip
+
+    def since(self, now: float) -> float:
+        return now - self.asked if self.asked else 0.0
+
+    def asked_at(self, now: float, longest_s: float) -> None:
+        """``longest_s``: the all-reduced time since the last ask, alike on every member."""
+        per_period = CHECK_PERIOD_S * self.calls / longest_s if longest_s > 0 else 1.0
+        self.skip = max(0, min(MAX_SKIPPED, int(per_period) - 1))
+        self.calls, self.asked = 0, now
+
+
+_cadence = _Cadence()
+
+
 def membership_changed() -> bool:
     """Whether the job's ``hpct run`` agents hold a world other than this one (a grow).
 
-    A collective over the world: every member calls it at the same step boundary and gets the
-    same answer.  False at once (no collective) when this process was not started by ``hpct run``.
+    A collective over the world: every member calls it at the same step boundaries and gets the
+    same answer.  It asks the node's agent and all-reduces the answer about once per
+    CHECK_PERIOD_S; the calls in between are False without a collective (alike on every
+    member, _Cadence).  False at once when this process was not started by ``hpct run``.
     """
     cfg = world._config()
     rank, size, _, plan = world.membership()
-    if cfg.agent_port is None or rank is None:
+    if cfg.agent_port is None or rank is None or not _cadence.due((world.formed_generation(), size)):
         return False
+    now = time.monotonic()
     try:
         newest = agent_link.peek(cfg, world.plan_rank(rank))["plan_ranks"]
     except RendezvousError:
         newest = None           # this node left the view: the members' new world goes on without it
-    flag = torch.tensor([int(newest != _places(plan, size))])
+    flag = torch.tensor([float(newest != _places(plan, size)), _cadence.since(now)], dtype=torch.float64)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    _cadence.asked_at(now, float(flag[1]))
+    return bool(flag[0] > 0)
 
 
 def grow(world_size: int | None = None, *, hosts: list[str] | None = None, plan_ranks: list[int] | None = None):

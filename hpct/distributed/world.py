@@ -380,6 +380,12 @@ def shutdown_all(timeout: float = 10.0) -> None:
     c10d._world.group_count = 0
 
 
+def formed_generation() -> int | None:
+    """The generation in which the current world formed (None before its first)."""
+    with _LOCK:
+        return _state.formed
+
+
 def membership() -> tuple:
     """(rank, world size, op timeout, plan places or None) of the current world."""
     with _LOCK:
