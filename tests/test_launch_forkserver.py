@@ -14,6 +14,7 @@ import time
 import pytest
 
 from hpct.launch.forkserver import ForkServer
+from hpct.launch.workers import Pool
 from hpct.ports import free_port_block
 from launch_cluster import Agents
 from test_launch_recovery import EXAMPLE, LIMIT_S, LONG_STEPS, check_replaced, stock_digest, wait_progress
@@ -92,8 +93,12 @@ def test_a_killed_worker_reads_as_killed_and_the_server_lives_on(server):
 
 def test_workers_die_with_their_server_and_read_as_killed(tmp_path):
     """A server gone takes its workers along (PR_SET_PDEATHSIG): an exit nobody reports would
-    leave a rank nobody replaces.  Before it is warm, fork() says no, and the agent spawns."""
+    leave a rank nobody replaces.  Before it is warm, fork() says no, and the agent spawns.  The
+    node keeps standbys (a replacement without an import) only once its server is gone."""
     fs = ForkServer(tmp_path / "server.log", dict(os.environ))
+    pool = Pool(("w.py",), True, tmp_path / "logs", 2, dict(os.environ))
+    pool.forks = fs
+    assert pool.wanted() == 0, "a standby beside a live server"
     script = tmp_path / "w.py"
     script.write_text(SCRIPT)
     assert fs.fork([str(script), "0"], dict(os.environ), tmp_path / "early.log") is None, "not warm yet"
@@ -106,6 +111,7 @@ def test_workers_die_with_their_server_and_read_as_killed(tmp_path):
     while os.path.exists(f"/proc/{proc.pid}") and time.monotonic() < deadline:
         time.sleep(0.02)
     assert fs.fork([str(script), "0"], dict(os.environ), tmp_path / "late.log") is None, "the server ended"
+    assert pool.wanted() == 2, "the server ended: --standby's standbys are kept again"
 
 
 def test_the_server_ends_after_its_last_worker_once_told_no_more(tmp_path):
@@ -128,12 +134,13 @@ def test_the_server_ends_after_its_last_worker_once_told_no_more(tmp_path):
 def test_hpct_run_forks_its_workers_and_a_killed_one_is_replaced_bit_identically(tmp_path):
     """examples/ddp.py with --fork-server: every worker is forked (the `start` event says so), the
     node waited once for its server's import, and a killed worker's replacement is forked too; the
-    parameters equal stock's."""
+    parameters equal stock's.  --standby 1 starts no standby while the server lives: its import
+    of torch would only take cores from the training."""
     expect = stock_digest(tmp_path, 3, steps=LONG_STEPS)
     out = tmp_path / "out"
     out.mkdir()
-    args = ["--nproc-per-node", "3", "--fork-server", "--port-base", str(free_port_block(2 * 8 * 3 + 2)),
-            EXAMPLE, *LONG_STEPS, "--out", str(out)]
+    args = ["--nproc-per-node", "3", "--fork-server", "--standby", "1",
+            "--port-base", str(free_port_block(2 * 8 * 3 + 2)), EXAMPLE, *LONG_STEPS, "--out", str(out)]
     with Agents(tmp_path, args) as agents:
         agents.start()
         agents.wait_event(0, "fork-server", 120)
@@ -145,6 +152,7 @@ def test_hpct_run_forks_its_workers_and_a_killed_one_is_replaced_bit_identically
     assert ready["ready"] is True, ready
     starts = agents.events(0, "start")
     assert len(starts) == 4 and all(s["why"].startswith("forked: from the fork server") for s in starts), starts
+    assert not agents.events(0, "standby"), "a standby started beside a live fork server"
 
 
 def test_an_order_the_server_does_not_answer_is_given_up_and_its_late_fork_killed(tmp_path, monkeypatch):

@@ -78,7 +78,7 @@ class Pool:
         with self.lock:
             if time.monotonic() < self.next_try:
                 return
-            missing = self.size - len(self.standbys)
+            missing = self.wanted() - len(self.standbys)
         for _ in range(missing):
             self.started += 1
             log = self.log_dir / f"standby-{self.started}.log"
@@ -89,6 +89,12 @@ class Pool:
                 self.standbys.append(p)
                 self.logs[p.pid] = log
             threading.Thread(target=self._await_ready, args=(p,), daemon=True).start()
+
+    def wanted(self) -> int:
+        """Standbys to keep: none while the node's fork server lives, since a forked replacement is
+        as warm and a standby's own import of torch took cores from the training after every
+        fault (the goodput soak); ``size`` once it has ended."""
+        return 0 if self.forks is not None and self.forks.alive() else self.size
 
     def _await_ready(self, p: subprocess.Popen) -> None:
         if p.stdout.readline().strip() == b"ready":
