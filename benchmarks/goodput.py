@@ -54,6 +54,12 @@ from launch import EXAMPLE, REPO, TAG_VAR, _descendants, _environ, _kill_tagged,
 SUBNET = "10.238.0"
 SYSTEMS = {"hpct": "hpct run --standby 1 --fork-server", "stock": "torchrun --max-restarts, checkpoint every K steps"}
 CALIBRATION_STEPS = 100       # 30 timed the step to within 7 % only (goodput_faults.clear_step_s)
+CALIBRATION_MAX = 400         # a longer soak times more: 100 steps of one job read 0.142 and 0.156 s
+CALIBRATION_SHARE = 1 / 30    # of the soak's --minutes, at --step-time, up to CALIBRATION_MAX steps
+
+
+def calibration_steps(minutes: float, step_time: float) -> int:
+    return max(CALIBRATION_STEPS, min(CALIBRATION_MAX, round(minutes * 60 * CALIBRATION_SHARE / max(step_time, 1e-3))))
 MAX_DELAY_S = 60.0     # a fault due while no process holds its rank waits for the next one this long
 
 
@@ -79,10 +85,12 @@ class Job:
                        "--op-timeout", str(args.op_timeout)]
         self.procs: list[subprocess.Popen] = []
         self.agents = None
-        # The calibration times the training alone: a standby or a spare node is idle once warm,
-        # but on this machine its import of torch would land in the few steps that are timed.
-        self.standby = 0 if calibration else 1
-        self.spares = int("node" in args.kinds or "lossy" in args.kinds) if system == "hpct" and not calibration else 0
+        # The calibration runs the job as the soak does, without faults.  Without a fork server it
+        # leaves out the standbys and the spare node: each imports torch itself, on this machine in
+        # the few steps that are timed.  With one, a node keeps no standby and nothing imports.
+        lean = calibration and args.no_fork_server
+        self.standby = 0 if lean else 1
+        self.spares = int("node" in args.kinds or "lossy" in args.kinds) if system == "hpct" and not lean else 0
         self.lost: set[int] = set()          # nodes whose agent was killed (their exit code is -9)
         self.job_restarts = 0                # stock: the scheduler's restarts of the whole job
         self.returns: dict[int, float] = {}  # lost node -> when the scheduler has it back (--node-return-s)
@@ -248,7 +256,7 @@ def run(system: str, ns, args, steps: int, step_time: float, faults: list[gf.Fau
         calibration: bool = False) -> dict:
     """One job to its end, the faults applied on schedule; its step logs, records and faults.
     ``net``: the lossy network (tests/lossy.py) whose links the ``lossy`` faults impair;
-    ``calibration``: hpct without standbys and spare (Job)."""
+    ``calibration``: without faults, and without a fork server also without standbys and spare (Job)."""
     tmp = Path(tempfile.mkdtemp(prefix=f"hpct-goodput-{system}-"))
     job = Job(system, tmp, ns, args, steps, step_time, calibration)
     injected: list[dict] = []
@@ -333,6 +341,7 @@ def run(system: str, ns, args, steps: int, step_time: float, faults: list[gf.Fau
             "startup_s": round(first - started, 2), "shutdown_s": round(ended - last, 2),
             "job_restarts": job.job_restarts,
             "logs": logs, "digests": digests, "injected": injected, "tmp": tmp,
+            "unexplained_moves": gf.unexplained_moves(tmp, injected, args.lossy_s) if system == "hpct" else [],
             "final_world": min((r["world_size"] for r in records), default=None)}
 
 
@@ -398,13 +407,14 @@ def main(argv=None) -> int:
         network = netns_network(args.nodes + 1, name_prefix="hpct-bgood", subnet=SUBNET)
     with network as net:        # + 1 node: hpct's spare
         ns = net.nodes if lossy else net
+        timed = calibration_steps(args.minutes, args.step_time)
         for system in args.systems:
-            results[f"{system}-calibration"] = run(system, ns, args, CALIBRATION_STEPS, args.step_time, [],
-                                                   calibration=True)
-        step_s = {s: gf.fault_free_step_s(results[f"{s}-calibration"]["logs"])
+            results[f"{system}-calibration"] = run(system, ns, args, timed, args.step_time, [], calibration=True)
+        # past its warm-up: the first 5 of 100 steps, 20 of 400
+        step_s = {s: gf.fault_free_step_s(results[f"{s}-calibration"]["logs"], skip=max(5, timed // 20))
                   if results[f"{s}-calibration"]["error"] is None else None for s in args.systems}
         known = [v for v in step_s.values() if v]
-        job_steps, args.steps = args.steps, CALIBRATION_STEPS
+        job_steps, args.steps = args.steps, timed
         if not known:
             print(report(results, step_s, [], args)[1])
             return 1

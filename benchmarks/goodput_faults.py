@@ -14,9 +14,11 @@ scheduled at a place whose node is gone hits one of the places still working ins
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 from dataclasses import asdict, dataclass
+from datetime import datetime
 from pathlib import Path
 
 KINDS = {
@@ -243,6 +245,29 @@ def _members(fault: dict, logs) -> set[int]:
         return set(fault["members"])
     return {r for r, rows in logs.items() if rows and rows[0][1] <= fault["t"]} or \
         {r for r in fault["pids"] if r in logs}
+
+
+JUDGE_S = 10.0     # a lossy link's slot move comes within this of the link's end (hold, window)
+
+
+def unexplained_moves(folder: Path, injected: list[dict], lossy_s: float) -> list[str]:
+    """The agents' ``slow-node`` moves (their event logs in ``folder``) with no lossy link in
+    force: a slot given away in a healthy job costs a repair and is a defect (a busy agent's
+    late answers once read as a slow link)."""
+    windows = [(f["t"], f["t"] + lossy_s + JUDGE_S) for f in injected if f["kind"] == "lossy"]
+    moves = []
+    for log in sorted(folder.glob("events-*.jsonl")):
+        for line in log.read_text().splitlines():
+            try:
+                e = json.loads(line)
+                if e.get("event") != "slow-node":
+                    continue
+                t = datetime.fromisoformat(e["time"]).timestamp()
+            except (ValueError, KeyError, TypeError):
+                continue
+            if not any(lo <= t <= hi for lo, hi in windows):
+                moves.append(f"{e['time']}: {e.get('message', '')}")
+    return moves
 
 
 def as_dicts(faults: list[Fault]) -> list[dict]:

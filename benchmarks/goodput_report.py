@@ -96,6 +96,7 @@ def report(results: dict, step_s: dict, faults: list[gf.Fault], args) -> tuple[d
                 problems.append(f"{system}: no rank logged steps {acc['steps_missing'][:10]}")
             problems += [f"{system}: fault {f['kind']} of rank {f['rank']} at t+{f['at_s']} s: {f['outcome']}"
                          for f in r["injected"] if f["outcome"].startswith("unexplained")]
+            problems += [f"{system}: a slot moved with no lossy link in force: {m}" for m in r.get("unexplained_moves", ())]
             if len(r["injected"]) < len(faults):
                 problems.append(f"{system}: {len(faults) - len(r['injected'])} of {len(faults)} faults found no "
                                 "process to hit (the job ended first, or no worker held the rank for 60 s)")

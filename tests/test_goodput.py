@@ -81,6 +81,23 @@ def test_the_run_s_own_clear_stretches_time_a_step_leaving_out_each_fault_s_wind
 
 
 @pytest.mark.unit
+def test_a_slot_moved_with_no_lossy_link_in_force_is_told_and_one_in_its_minute_is_not(tmp_path):
+    from datetime import datetime, timezone
+
+    def at(t: float) -> str:
+        return datetime.fromtimestamp(t, timezone.utc).isoformat()
+
+    lossy = {"kind": "lossy", "t": 1000.0}
+    lines = [{"event": "slow-node", "time": at(1003.0), "message": "node 2's links are slow"},
+             {"event": "slow-node", "time": at(900.0), "message": "node 3's links are slow"},
+             {"event": "view", "time": at(900.0), "message": "view generation 2"}]
+    (tmp_path / "events-0.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines) + "not json\n")
+    moves = gf.unexplained_moves(tmp_path, [lossy, {"kind": "kill", "t": 899.0}], lossy_s=60.0)
+    assert len(moves) == 1 and "node 3's links are slow" in moves[0]
+    assert len(gf.unexplained_moves(tmp_path, [], 60.0)) == 2, "no lossy fault explains either"
+
+
+@pytest.mark.unit
 def test_each_way_a_fault_can_end_is_told_apart():
     base = {"kind": "kill", "rank": 1, "other": -1, "t": 1.5, "pid": 20, "pids": {0: 10, 1: 20, 2: 30}}
     same = _logs({0: [(0, 1.0, 10), (1, 2.0, 10)], 1: [(0, 1.0, 20), (1, 2.0, 20)], 2: [(0, 1.0, 30), (1, 2.0, 30)]})
