@@ -244,9 +244,13 @@ class Membership(View):
         return [n for n in self.nodes if n != self.node and n not in self.finished and n not in self.leaving
                 and (self._silent(n, now, self.opts.node_grace) or self._refusing(n, now))]
 
+    def _refused_s(self) -> float:
+        """How long a peer refusing every ask is given: REFUSED_S, or the grace if shorter."""
+        return min(REFUSED_S, self.opts.node_grace)
+
     def _refusing(self, n: int, now: float) -> bool:
-        """Caller holds the lock.  Every ask to ``n`` was refused for REFUSED_S (or the grace, if shorter)."""
-        return now - self.refused.get(n, now) >= min(REFUSED_S, self.opts.node_grace)
+        """Caller holds the lock.  Every ask to ``n`` was refused for _refused_s()."""
+        return now - self.refused.get(n, now) >= self._refused_s()
 
     def _silence(self, n: int, probed: bool) -> tuple[str, bool]:
         """Caller holds the lock.  Why ``n`` is dropped, as the node-lost event says it, and whether
@@ -254,7 +258,7 @@ class Membership(View):
         if probed:
             return "did not answer a probe (a worker was waiting)", False
         if self._refusing(n, time.monotonic()):
-            return (f"refused every ask for {min(REFUSED_S, self.opts.node_grace):g} s (nothing listens at "
+            return (f"refused every ask for {self._refused_s():g} s (nothing listens at "
                     "its agent port: its agent is gone)"), True
         return f"silent for {self.opts.node_grace:g} s", False
 
