@@ -56,6 +56,17 @@ def test_goodput_redone_steps_and_the_time_to_every_ranks_next_step():
 
 
 @pytest.mark.unit
+def test_a_lost_nodes_next_step_is_not_the_step_its_survivors_had_in_flight():
+    # rank 1's node lost at t=4.5; rank 0 logs step 4, in flight, at 4.52, then is repaired and
+    # steps again at 7.0 (shrunk to itself)
+    logs = _logs({0: [(s, float(s + 1), 10) for s in range(4)] + [(4, 4.52, 10), (5, 7.0, 10)],
+                  1: [(s, float(s + 1), 20) for s in range(4)]})
+    fault = {"t": 4.5, "kind": "node", "rank": 1, "other": -1, "pid": 20, "pids": {0: 10, 1: 20}, "ranks": [1]}
+    gf.account(logs, [fault], steps=6, step_s=1.0, wall_s=8.0)
+    assert fault["next_step_s"] == 2.5
+
+
+@pytest.mark.unit
 def test_the_run_s_own_clear_stretches_time_a_step_leaving_out_each_fault_s_window():
     # 2 ranks, 1 s steps except: a kill at t=20.5 (both step again at t=23, steps redone once),
     # steps slowed to 3 s while a lossy link lasts (t=40-52), and a lost node back at t=70.
