@@ -175,7 +175,7 @@ def outcome(fault: dict, logs, until: float = float("inf"), carried: frozenset =
     left = _left_slow_node(fault, logs, members, until)
     lost = _lost_with_node(fault) | left
     # the survivors re-formed after the fault, or after a slow node's places last stepped
-    since = max([fault["t"]] + [logs[r][-1][1] for r in left])
+    since = max([fault["t"]] + [t for r in left for _, t, _ in logs[r] if t < until])
     nexts = {r: min((s for s, t, _ in rows if t > since), default=None) for r, rows in logs.items()}
     resumed = min((s for r, s in nexts.items() if s is not None and r in members - lost), default=None)
     # a spare's places (or a returned node's): outside the world at the fault, stepping from the
@@ -234,7 +234,9 @@ def _left_slow_node(fault: dict, logs, members: set[int], until: float) -> set[i
     if fault["kind"] != "lossy":
         return set()
     hit = hit_ranks(fault) & members
-    last = {r: max((t for _, t, _ in logs.get(r, ())), default=float("-inf")) for r in members}
+    # before ``until`` only: the slow node may take a slot again later (a lost node's), and its
+    # places' later steps made the 30-minute soak tell a slot given away as ridden through
+    last = {r: max((t for _, t, _ in logs.get(r, ()) if t < until), default=float("-inf")) for r in members}
     others = [last[r] for r in members - hit]
     if not others:
         return set()

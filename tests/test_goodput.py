@@ -138,6 +138,9 @@ def test_each_way_a_fault_can_end_is_told_apart():
     assert gf.outcome({**lossy, "pids": {0: 10, 1: 20, 2: 30}}, evicted) == "a spare node took its ranks"
     assert gf.outcome({**lossy, "pids": {0: 10, 1: 20, 2: 30}}, evicted, until=4.5) == "rode through", \
         "still stepping when the next fault came"
+    back = {**evicted, 1: evicted[1] + [(6, 9.0, 22)], 2: evicted[2] + [(6, 9.0, 32)]}
+    assert gf.outcome({**lossy, "pids": {0: 10, 1: 20, 2: 30}}, back, until=7.0) == "a spare node took its ranks", \
+        "the slow node taking a slot again after the next fault does not undo the move"
     # a lost node's places stop and a spare's places (no process at the fault) start stepping
     node = {**base, "kind": "node", "ranks": [1, 2], "pids": {0: 10, 1: 20, 2: 30}}
     taken = _logs({0: [(0, 1.0, 10), (1, 2.0, 10)], 1: [(0, 1.0, 20)], 2: [(0, 1.0, 30)],
@@ -146,8 +149,9 @@ def test_each_way_a_fault_can_end_is_told_apart():
     assert gf.outcome(node, {r: rows for r, rows in taken.items() if r < 3}) == "shrunk: its ranks left the world"
     # a lost node's step in flight at the kill, and its places stepping again when the node
     # came back (--node-return-s) and took another slot later, do not make it a survivor
-    back = _logs({0: [(0, 1.0, 10), (1, 2.0, 10), (5, 9.0, 10)], 1: [(0, 1.0, 20), (1, 1.55, 20), (5, 9.0, 50)],
-                  2: [(0, 1.0, 30), (5, 9.0, 51)], 3: [(1, 2.0, 40), (5, 9.0, 40)], 4: [(1, 2.0, 41), (5, 9.0, 41)]})
+    back = _logs({0: [(0, 1.0, 10), (1, 2.0, 10), (2, 4.0, 10), (5, 9.0, 10)],
+                  1: [(0, 1.0, 20), (1, 1.55, 20), (5, 9.0, 50)], 2: [(0, 1.0, 30), (5, 9.0, 51)],
+                  3: [(1, 2.0, 40), (2, 4.0, 40), (5, 9.0, 40)], 4: [(1, 2.0, 41), (2, 4.0, 41), (5, 9.0, 41)]})
     assert gf.outcome(node, back, until=8.0) == "a spare node took its ranks"
     # stock's scheduler restarts every worker once the node is back: not a shrink
     restart = _logs({0: [(0, 1.0, 10), (1, 1.55, 10), (1, 9.0, 60)], 1: [(0, 1.0, 20), (1, 9.0, 61)],
@@ -155,7 +159,8 @@ def test_each_way_a_fault_can_end_is_told_apart():
     assert gf.outcome(node, restart) == "every worker restarted"
     returned = {**node, "members": [0, 1, 2]}
     gf.account(back, [returned], steps=6, step_s=1.0, wall_s=10.0)
-    assert returned["next_step_s"] == 0.5           # the survivor's and the spare's next step, not 9.0
+    # the survivor's step after the one in flight (2.0), not the returned node's 9.0
+    assert returned["next_step_s"] == 2.5
     # the second victim of a "during" fault may finish a step in flight before its own kill
     late = _logs({0: [(1, 1.6, 10), (2, 3.0, 11)], 1: [(2, 3.0, 21)], 2: [(1, 1.6, 30), (2, 3.0, 30)]})
     assert gf.outcome({**base, "kind": "during", "other": 0}, late) == "replaced in place"
