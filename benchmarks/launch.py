@@ -191,12 +191,19 @@ def run_hpct(tmp: Path, nodes: int, nproc: int, standby: int, args, ns, tag: str
         try:
             agents.start()
             alive = lambda: all(p.poll() is None for p in agents.procs)   # noqa: E731
+            from launch_cluster import progress
             for n in range(nodes + spares):
                 ready = nproc if n >= nodes else standby     # a spare keeps one standby per local rank
-                if ready:
-                    agents.wait_event(n, "standby", max(1.0, deadline - time.monotonic()), count=ready)
+                while len(agents.events(n, "standby")) < ready:
+                    if agents.procs[n].poll() is not None:  # a short job ends before its standbys are warm
+                        raise RuntimeError(f"{what}: rank {victim} finished its {progress(out, victim)} steps before "
+                                           "the standbys were warm, too late to measure a recovery: give more "
+                                           "--steps or a longer --step-time")
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{what}: node {n} had no {ready} standbys warm within --timeout "
+                                           f"{args.timeout:g} s:\n{agents.output(n)[-3000:]}")
+                    time.sleep(0.02)
             _wait_progress(out, victim, args.kill_step, deadline, alive, what)
-            from launch_cluster import progress
             if (at := progress(out, victim)) >= args.steps - 2:
                 # standbys start once the world formed and warm for seconds: the job must outlast that
                 raise RuntimeError(f"{what}: rank {victim} was at step {at} of {args.steps} once the standbys were "
