@@ -92,6 +92,13 @@ class RendezvousError(HpctError):
     exit_code = 11
 
 
+class FormationError(RendezvousError):
+    """A group's connect failed before its deadline, before the group formed: a peer died or gave
+    the generation up.  Nobody is missing for good: the next membership forms without it."""
+
+    exit_code = 19
+
+
 class CollectiveError(HpctError):
     """An op of an hpct process group failed: the message names the group, the rank, the
     generation and (where known) the peer; the group is failed until ``recover()``."""

@@ -34,6 +34,7 @@ BASES = {
     "OpTimeoutError": ("PeerError", TimeoutError),
     "AddressInUseError": ("GlooError", OSError),
     "StaleGenerationError": ("GlooError",),
+    "PeerLeftError": ("PeerError",),
 }
 
 
@@ -210,6 +211,54 @@ def test_a_missing_peer_is_connect_timeout_error_naming_it():
     assert time.monotonic() - started < 5.0
     assert isinstance(err.value, TimeoutError) and isinstance(err.value, TransportError)
     assert "still missing rank 1" in str(err.value)
+
+
+@pytest.mark.multiprocess
+def test_a_peer_that_leaves_a_forming_group_is_peer_left_error_at_once_not_the_deadline():
+    """Rank 1 gave its count to rank 0 and waits for the total; rank 2 never comes; rank 0 is
+    aborted (it died, or gave the generation up).  Before: rank 1 raised ConnectTimeoutError
+    saying the group did not form within the deadline, and hpct run's worker took it for a rank
+    that never came.  A peer that left is PeerLeftError, before the deadline, naming the rank."""
+    peers = loopback_peers(3)
+    ctxs = [gloo.Context(r, 3, 4, peers, connect_timeout=30.0, connect=False, lazy=True) for r in (0, 1)]
+    box: dict = {}
+
+    def connect(r):
+        try:
+            ctxs[r].connect()
+        except BaseException as err:  # noqa: BLE001
+            box[r] = (err, time.monotonic())
+    threads = [threading.Thread(target=connect, args=(r,), daemon=True) for r in (0, 1)]
+    try:
+        [t.start() for t in threads]
+        time.sleep(1.0)           # rank 1's count is with rank 0, which waits for rank 2's
+        assert not box, box
+        left = time.monotonic()
+        ctxs[0].abort("gave generation 4 up")
+        [t.join(LIMIT_S) for t in threads]
+        assert not any(t.is_alive() for t in threads)
+        err, at = box[1]
+        assert type(err) is gloo.PeerLeftError, err
+        assert isinstance(err, gloo.PeerError) and not isinstance(err, TimeoutError)
+        assert at - left < 5.0                      # the deadline was 30 s away
+        message = str(err)
+        assert "Storeless connect of rank 1 (of 3, generation 4) failed before the group formed" in message
+        assert f"waiting for rank 0 (127.0.0.1:{peers[0][1]}, the group's total)" in message
+        assert "a peer left" in message and "within the connect deadline" not in message
+        assert type(box[0][0]) is gloo.AbortedError
+    finally:
+        _close(*ctxs)
+
+
+@pytest.mark.unit
+def test_a_forming_group_whose_member_never_comes_is_still_connect_timeout_error():
+    # The deadline case keeps its type: rank 0 waits in the count for rank 1, which never listens.
+    peers = loopback_peers(2)
+    started = time.monotonic()
+    with pytest.raises(gloo.ConnectTimeoutError) as err:
+        gloo.Context(0, 2, 1, peers, connect_timeout=0.5, lazy=True)
+    assert time.monotonic() - started < 5.0
+    assert not isinstance(err.value, gloo.PeerLeftError)
 
 
 @pytest.mark.multiprocess

@@ -474,6 +474,44 @@ def test_a_replacement_overtaken_before_it_joined_follows_or_restarts_in_the_new
     assert {r["total"] for r in recs.values()} == {expect}
 
 
+@pytest.mark.multiprocess
+def test_a_peer_that_dies_in_the_connect_before_its_agent_knows_is_followed_not_fatal(tmp_path):
+    """Rank 2 is lost and its replacement stalls: ranks 0 and 1 connect generation 1, rank 1's
+    count given to rank 0, which waits for rank 2's.  Then rank 1 dies while its agent is stopped:
+    the socket closes at once, and an agent under load learns of the death later (the CI goodput
+    soak lost its job this way, a kill 0.3 s after another).  Before: rank 0's connect failed as
+    "did not form within the connect deadline", the agent's view had not moved, rank 0 raised and
+    exited 1, and the job ended.  Now rank 0 asks its agent for the world after generation 1,
+    as after a failed step, and meets the others in generation 2 with its state."""
+    out = tmp_path / "out"
+    out.mkdir()
+    steps = 120
+    args = ["--nproc-per-node", "3", "--max-restarts", "0", "--port-base", str(free_port_block(2 * 8 * 3 + 2)),
+            str(Path(__file__).with_name("overtaken_worker.py")), str(out), str(steps), "1"]
+    with Agents(tmp_path, args, env={"HPCT_CONNECT_TIMEOUT": "60"}) as agents:
+        agents.start()
+        wait_progress(agents, out, 0, 5)
+        os.kill(agents.worker_pid(0, 2), signal.SIGKILL)
+        wait_files(agents, out, "stalled-*", 1)
+        wait_files(agents, out, "recovering-*", 2)
+        time.sleep(1.0)            # ranks 0 and 1 connect generation 1, rank 0 waiting for rank 2
+        victim, agent = agents.worker_pid(0, 1), agents.procs[0].pid
+        os.kill(agent, signal.SIGSTOP)
+        try:
+            os.kill(victim, signal.SIGKILL)
+            time.sleep(2.5)        # rank 0's connect failed; a view watch's peek (1 s) went unanswered
+        finally:
+            os.kill(agent, signal.SIGCONT)
+        assert agents.wait(LIMIT_S) == [0], agents.output(0)
+    recs = {r["rank"]: r for r in records(out)}
+    assert sorted(recs) == [0, 1, 2]
+    first = next(e["pid"] for e in agents.events(0, "start") if e["generation"] == 0 and e["rank"] == 0)
+    assert recs[0]["pid"] == first and recs[0]["met"] == [2], recs[0]
+    assert recs[1]["generation"] == 2 and recs[2]["generation"] == 2, recs
+    expect = float(3 * sum(range(1, steps + 1)))
+    assert {r["total"] for r in recs.values()} == {expect}
+
+
 def wait_files(agents: Agents, out: Path, pattern: str, count: int, timeout: float = 120) -> list[Path]:
     end = time.monotonic() + timeout
     while len(found := sorted(out.glob(pattern))) < count:

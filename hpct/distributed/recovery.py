@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime
 
 from ..config import Config
-from ..errors import ConfigError, RendezvousError
+from ..errors import ConfigError, FormationError, RendezvousError
 from . import agent_link, world
 
 
@@ -78,7 +78,9 @@ def follow_agent(cfg: Config, place: int, timeout, view: tuple | None = None, fo
     A fault before the world forms (the replacement lost, another node dropped before its grace)
     moves the agents' view on while this world connects; the ranks it waits for are then gone or
     stopped.  The connect gives way as soon as the agent shows the newer view, and meets the
-    others there instead of failing at the connect deadline.
+    others there instead of failing at the connect deadline.  A peer that leaves the connect (it
+    died, or gave the generation up) fails it before the agent may know: the agent is asked for
+    the world after this one, as after a failed step, and says the loss or re-forms.
     """
     for _ in range(MAX_OVERTAKEN):
         if view is None:
@@ -89,10 +91,11 @@ def follow_agent(cfg: Config, place: int, timeout, view: tuple | None = None, fo
             with watch:
                 return world.init_process_group(rank, world_size, timeout=timeout, config=cfg,
                                                 generation=generation, plan_ranks=plan_ranks)
-        except Exception:
+        except Exception as err:
             with world._LOCK:
                 newer_peer = world._state.newest_seen > generation     # its agent may not know yet
-            if not (watch.overtaken or newer_peer or agent_link.moved_past(cfg, place, generation)):
+            if not (watch.overtaken or newer_peer or isinstance(err, FormationError)
+                    or agent_link.moved_past(cfg, place, generation)):
                 raise
         world.shutdown_all()
         formed, view = generation, None       # the agent answers with the first view newer than this

@@ -32,7 +32,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from .. import _gloo
 from ..config import NPROC_DEFAULT, Config, nproc_source
-from ..errors import ConfigError, PortPlanError, RendezvousError
+from ..errors import ConfigError, FormationError, PortPlanError, RendezvousError
 from ..ports import shared_peers
 from . import agent_link, checks, slots
 from .group import BACKEND_NAME, HpctProcessGroup
@@ -152,6 +152,13 @@ def connect_context(cfg: Config, *, name: str, group_rank: int, generation: int,
         raise RendezvousError(
             f"group {name}: generation {gen} is older than a peer's ({err.newer_generation}): {err}",
             fix="call recover() again: it moves to the newest generation seen") from None
+    except _gloo.PeerLeftError as err:
+        ctx.close()
+        raise FormationError(
+            f"group {name} (generation {gen}): global rank {global_rank}'s connect failed before the "
+            f"group formed: {err}",
+            fix="call recover() again: the next membership forms without the peer that left (under "
+                "hpct run, recover() asks the agent for it)") from None
     except _gloo.ConnectTimeoutError as err:
         ctx.close()
         raise RendezvousError(

@@ -49,6 +49,14 @@ PyObject* g_peer_error = nullptr;           // PeerError(GlooError, ConnectionEr
 PyObject* g_op_timeout_error = nullptr;     // OpTimeoutError(PeerError, TimeoutError)
 PyObject* g_address_in_use_error = nullptr; // AddressInUseError(GlooError, OSError)
 PyObject* g_stale_generation_error = nullptr; // StaleGenerationError(GlooError)
+PyObject* g_peer_left_error = nullptr;      // PeerLeftError(PeerError)
+
+// A connection of a forming group failed before the connect's deadline: the peer died or gave
+// this generation up (its own connect was aborted).  Not a deadline passed: the caller asks for
+// the next membership instead of reporting a rank that never came.
+struct PeerLeftException : public gloo::IoException {
+  explicit PeerLeftException(const std::string& msg) : gloo::IoException(msg) {}
+};
 
 PyObject* make_exception(py::module_& m, const char* name, PyObject* bases, const char* doc) {
   std::string qualified = std::string("hpct._gloo.") + name;
@@ -88,6 +96,8 @@ void translate(std::exception_ptr p) {
     PyErr_SetString(g_aborted_error, e.what());
   } catch (const gloo::ConnectTimeoutException& e) {
     PyErr_SetString(g_connect_timeout_error, e.what());
+  } catch (const PeerLeftException& e) {
+    PyErr_SetString(g_peer_left_error, e.what());
   } catch (const gloo::StaleGenerationException& e) {
     // The peer's generation travels as an attribute, for a caller that rejoins there.
     set_error_with(g_stale_generation_error, e.what(), "newer_generation",
@@ -556,14 +566,21 @@ class StorelessContext {
       throw;
     } catch (const gloo::IoException& e) {
       ctx->abort("the storeless connect failed");
+      const std::string who = "Storeless connect of rank " + std::to_string(rank_) + " (of " +
+                              std::to_string(size_) + ", generation " +
+                              std::to_string(generation_) + ")";
       const std::string waited =
           peer < 0 ? std::string()
                    : " waiting for rank " + std::to_string(peer) + " (" + peers_[peer].first + ":" +
                          std::to_string(peers_[peer].second) + ", " + step + ")";
-      throw gloo::ConnectTimeoutException(
-          "Storeless connect of rank " + std::to_string(rank_) + " (of " +
-          std::to_string(size_) + ", generation " + std::to_string(generation_) +
-          ") did not form within the connect deadline" + waited + ": " + e.what());
+      // A wait that ran out is the deadline; any other failure came from a peer before it.
+      if (dynamic_cast<const gloo::TimeoutException*>(&e) != nullptr) {
+        throw gloo::ConnectTimeoutException(who + " did not form within the connect deadline" +
+                                            waited + ": " + e.what());
+      }
+      throw PeerLeftException(who + " failed before the group formed" + waited +
+                              ": a peer left (it died or gave generation " +
+                              std::to_string(generation_) + " up): " + e.what());
     }
     if (count != size_) {
       ctx->abort("the storeless connect counted the wrong ranks");
@@ -972,6 +989,11 @@ void bind_context(py::module_& m) {
         "The listening port stayed in use for the whole bind retry window; errno is "
         "errno.EADDRINUSE.");
   }
+  g_peer_left_error = make_exception(
+      m, "PeerLeftError", g_peer_error,
+      "A peer's connection failed while the storeless connect formed the group, before its "
+      "deadline: the peer died or gave the generation up.  The group never formed; the "
+      "message names the rank waited for.");
   g_stale_generation_error = make_exception(
       m, "StaleGenerationError", g_gloo_error,
       "This process's generation is older than its peers': a peer refused its connection "
@@ -1045,7 +1067,7 @@ Every blocking method releases the GIL; abort() may be called from any thread.
       .def("connect", &StorelessContext::connect,
            "Connect the full mesh, or with lazy=True a binomial tree of pairs (blocks "
            "until connected or the connect deadline passes: ConnectTimeoutError naming "
-           "the missing ranks).")
+           "the missing ranks; PeerLeftError when a peer's connection fails before it).")
       .def("connections", &StorelessContext::connections,
            "Number of peers connected now (lazy=True: only the pairs operations have used).")
       .def("abort", &StorelessContext::abort, py::arg("reason") = "aborted by the application",
