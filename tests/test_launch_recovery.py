@@ -400,6 +400,34 @@ def test_a_node_that_comes_back_joins_by_grow(tmp_path):
     assert agents.events(2, "idle") and agents.events(2, "admitted"), agents.output(2)
 
 
+@pytest.mark.multihost
+@pytest.mark.slow
+def test_a_newcomer_lost_while_the_members_grow_to_it_is_followed_not_fatal(tmp_path):
+    """As above, but the returning node's new worker is stopped at its start, so the members'
+    grow connects a world that waits for it; after --stopped-grace its agent kills it and starts
+    another at the next generation.  Before: grow() connected without a view watch, its
+    replacement refused the members' older generation, and they raised and exited 1 (the job
+    ended).  Now the grow's connect follows the view, as recover()'s does."""
+    with three_nodes(tmp_path, 1, ["--steps", "120", "--step-time", "0.03"]) as (agents, out):
+        wait_progress(agents, out, 0, 5)
+        first = {n: agents.worker_pid(n, n) for n in (0, 1)}
+        lose_node(agents, 2)
+        agents.wait_event(0, "view", 30, where=lambda e: e["nodes"] == [0, 1])
+        agents.restart(2)
+        newcomer = agents.wait_event(2, "start", 60, where=lambda e: e["generation"] > 0)[0]["pid"]
+        os.kill(newcomer, signal.SIGSTOP)
+        agents.wait_event(2, "stopped", 30, where=lambda e: e["pid"] == newcomer)
+        codes = [agents.procs[n].wait(timeout=LIMIT_S) for n in (0, 1, 2)]
+        assert codes == [0, 0, 0], agents.output(0) + agents.output(2)
+    recs = records(out)
+    final = {r["rank"]: r for r in recs if r["pid"] in first.values() or r["generation"] > 0}
+    assert sorted(final) == [0, 1, 2], recs
+    assert [final[0]["pid"], final[1]["pid"]] == [first[0], first[1]], "a member restarted"
+    assert final[2]["pid"] != newcomer
+    assert all(final[r]["grows"] and final[r]["grows"][-1]["world_size"] == 3 for r in (0, 1)), final
+    assert len({r["digest"] for r in final.values()}) == 1
+
+
 @pytest.mark.multiprocess
 def test_a_recovery_overtaken_by_a_newer_view_meets_the_others_there(tmp_path):
     """The replacement is lost while the survivors connect the world that waits for it: the agent

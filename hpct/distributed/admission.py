@@ -143,10 +143,12 @@ def grow(world_size: int | None = None, *, hosts: list[str] | None = None, plan_
                           fix="start the job with hd.init_process_group() before growing it")
     cfg = world._config()
     if (world_size, hosts, plan_ranks) == (None, None, None) and cfg.agent_port is not None:
-        rank, world_size, generation, places = recovery.agent_world(cfg, world.plan_rank(rank), world.generation())
+        place = world.plan_rank(rank)
+        view = recovery.agent_world(cfg, place, world.generation())
         world.shutdown_all()      # a step boundary: every group is idle and closes gracefully
-        return world.init_process_group(rank, world_size, timeout=timeout, config=cfg, generation=generation,
-                                        plan_ranks=places)
+        # A fault while the grown world connects (a newcomer lost) moves the view on: the
+        # connect follows it, as recover()'s does, instead of failing the members.
+        return recovery.follow_agent(cfg, place, timeout, view)
     if not isinstance(world_size, int) or world_size <= size:
         raise HpctArgumentError(f"grow: world_size={world_size!r} must be an integer above the current "
                                 f"world size {size}, nothing changed",
