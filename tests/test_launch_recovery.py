@@ -378,54 +378,66 @@ def test_a_spare_node_takes_a_lost_nodes_ranks_and_the_run_is_bit_identical(tmp_
 
 @pytest.mark.multihost
 @pytest.mark.slow
-def test_a_node_that_comes_back_joins_by_grow(tmp_path):
+@pytest.mark.parametrize("newcomer", ["joins", "lost"])
+def test_a_node_that_comes_back_joins_by_grow(tmp_path, newcomer):
     """Node 2 of 3 is lost and the survivors shrink to 2 ranks; its agent, started again, is
     idle and the view takes it back: the members call hd.grow() at a step boundary
-    (membership_changed()), the node's new worker joins as rank 2 and receives the state."""
+    (membership_changed()), the node's new worker joins as rank 2 and receives the state.
+    ``lost``: that worker is stopped at its start, so the members' grow connects a world that
+    waits for it; after --stopped-grace its agent kills it and starts another at the next
+    generation.  Before: grow() connected without a view watch, the second worker refused the
+    members' older generation, and they raised and exited 1 (the job ended).  Now the grow's
+    connect follows the view, as recover()'s does."""
     with three_nodes(tmp_path, 1, ["--steps", "80", "--step-time", "0.03"]) as (agents, out):
         wait_progress(agents, out, 0, 5)
         first = {n: agents.worker_pid(n, n) for n in (0, 1)}
         lose_node(agents, 2)
         agents.wait_event(0, "view", 30, where=lambda e: e["nodes"] == [0, 1])
         agents.restart(2)
-        agents.wait_event(0, "view", 60, where=lambda e: e["nodes"] == [0, 1, 2])
+        stopped = None
+        if newcomer == "lost":
+            stopped = agents.wait_event(2, "start", 60, where=lambda e: e["generation"] > 0)[0]["pid"]
+            os.kill(stopped, signal.SIGSTOP)
+            agents.wait_event(2, "stopped", 30, where=lambda e: e["pid"] == stopped)
+        else:
+            agents.wait_event(0, "view", 60, where=lambda e: e["nodes"] == [0, 1, 2])
         codes = [agents.procs[n].wait(timeout=LIMIT_S) for n in (0, 1, 2)]
         assert codes == [0, 0, 0], agents.output(0) + agents.output(2)
     recs = records(out)
     final = {r["rank"]: r for r in recs if r["pid"] in first.values() or r["generation"] > 0}
     assert sorted(final) == [0, 1, 2], recs
     assert [final[0]["pid"], final[1]["pid"]] == [first[0], first[1]], "a member restarted"
+    assert final[2]["pid"] != stopped
     assert all(final[r]["grows"] and final[r]["grows"][-1]["world_size"] == 3 for r in (0, 1)), final
     assert len({r["digest"] for r in final.values()}) == 1
     assert agents.events(2, "idle") and agents.events(2, "admitted"), agents.output(2)
 
 
-@pytest.mark.multihost
-@pytest.mark.slow
-def test_a_newcomer_lost_while_the_members_grow_to_it_is_followed_not_fatal(tmp_path):
-    """As above, but the returning node's new worker is stopped at its start, so the members'
-    grow connects a world that waits for it; after --stopped-grace its agent kills it and starts
-    another at the next generation.  Before: grow() connected without a view watch, its
-    replacement refused the members' older generation, and they raised and exited 1 (the job
-    ended).  Now the grow's connect follows the view, as recover()'s does."""
-    with three_nodes(tmp_path, 1, ["--steps", "120", "--step-time", "0.03"]) as (agents, out):
+OVERTAKEN_STEPS = 120
+
+
+@contextlib.contextmanager
+def overtaken_job(tmp_path: Path, *worker_args: str):
+    """tests/overtaken_worker.py (STALL_GENERATION [HOLD_RANK] = ``worker_args``) as 3 workers of
+    one node, 5 steps in, when rank 2 has just been SIGKILLed; yields (agents, out)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["--nproc-per-node", "3", "--max-restarts", "0", "--port-base", str(free_port_block(2 * 8 * 3 + 2)),
+            str(Path(__file__).with_name("overtaken_worker.py")), str(out), str(OVERTAKEN_STEPS), *worker_args]
+    with Agents(tmp_path, args, env={"HPCT_CONNECT_TIMEOUT": "60"}) as agents:
+        agents.start()
         wait_progress(agents, out, 0, 5)
-        first = {n: agents.worker_pid(n, n) for n in (0, 1)}
-        lose_node(agents, 2)
-        agents.wait_event(0, "view", 30, where=lambda e: e["nodes"] == [0, 1])
-        agents.restart(2)
-        newcomer = agents.wait_event(2, "start", 60, where=lambda e: e["generation"] > 0)[0]["pid"]
-        os.kill(newcomer, signal.SIGSTOP)
-        agents.wait_event(2, "stopped", 30, where=lambda e: e["pid"] == newcomer)
-        codes = [agents.procs[n].wait(timeout=LIMIT_S) for n in (0, 1, 2)]
-        assert codes == [0, 0, 0], agents.output(0) + agents.output(2)
-    recs = records(out)
-    final = {r["rank"]: r for r in recs if r["pid"] in first.values() or r["generation"] > 0}
-    assert sorted(final) == [0, 1, 2], recs
-    assert [final[0]["pid"], final[1]["pid"]] == [first[0], first[1]], "a member restarted"
-    assert final[2]["pid"] != newcomer
-    assert all(final[r]["grows"] and final[r]["grows"][-1]["world_size"] == 3 for r in (0, 1)), final
-    assert len({r["digest"] for r in final.values()}) == 1
+        os.kill(agents.worker_pid(0, 2), signal.SIGKILL)
+        yield agents, out
+
+
+def overtaken_records(out: Path) -> dict[int, dict]:
+    """Each rank's record of an overtaken_job; every rank finished with the fault-free total."""
+    recs = {r["rank"]: r for r in records(out)}
+    assert sorted(recs) == [0, 1, 2]
+    expect = float(3 * sum(range(1, OVERTAKEN_STEPS + 1)))
+    assert {r["total"] for r in recs.values()} == {expect}
+    return recs
 
 
 @pytest.mark.multiprocess
@@ -435,28 +447,17 @@ def test_a_recovery_overtaken_by_a_newer_view_meets_the_others_there(tmp_path):
     older world until its deadline (or a peer's newer generation refused it) and raised
     RendezvousError, the worker exited 1 and the job ended (the goodput soak lost two nodes 2.7 s
     apart this way).  Now the connect gives way to the newer view and everyone meets there."""
-    out = tmp_path / "out"
-    out.mkdir()
-    steps = 120
-    args = ["--nproc-per-node", "3", "--max-restarts", "0", "--port-base", str(free_port_block(2 * 8 * 3 + 2)),
-            str(Path(__file__).with_name("overtaken_worker.py")), str(out), str(steps), "1"]
-    with Agents(tmp_path, args, env={"HPCT_CONNECT_TIMEOUT": "60"}) as agents:
-        agents.start()
-        wait_progress(agents, out, 0, 5)
-        os.kill(agents.worker_pid(0, 2), signal.SIGKILL)
+    with overtaken_job(tmp_path, "1") as (agents, out):
         stalled = wait_files(agents, out, "stalled-*", 1)
         wait_files(agents, out, "recovering-*", 2)
         time.sleep(1.0)            # the survivors are connecting generation 1, waiting for rank 2
         os.kill(int(stalled[0].name.split("-")[1]), signal.SIGKILL)
         assert agents.wait(LIMIT_S) == [0], agents.output(0)
-    recs = {r["rank"]: r for r in records(out)}
-    assert sorted(recs) == [0, 1, 2]
+    recs = overtaken_records(out)
     first = {e["rank"]: e["pid"] for e in agents.events(0, "start") if e["generation"] == 0}
     for rank in (0, 1):            # the very processes of generation 0, recovered once, into generation 2
         assert recs[rank]["pid"] == first[rank] and recs[rank]["met"] == [2], recs[rank]
     assert recs[2]["generation"] == 2
-    expect = float(3 * sum(range(1, steps + 1)))
-    assert {r["total"] for r in recs.values()} == {expect}
 
 
 @pytest.mark.multiprocess
@@ -469,23 +470,14 @@ def test_a_replacement_overtaken_before_it_joined_follows_or_restarts_in_the_new
     climbed to 39 this way, and a first connect refused by a newer peer ended the job).  Now a
     replacement that connects follows the view itself (the same process joins generation 2), and
     one that stalls is stopped and started again in generation 2, a `stale` event, not a fault."""
-    out = tmp_path / "out"
-    out.mkdir()
-    steps = 120
     stall = "1" if replacement == "stalls" else "99"
-    args = ["--nproc-per-node", "3", "--max-restarts", "0", "--port-base", str(free_port_block(2 * 8 * 3 + 2)),
-            str(Path(__file__).with_name("overtaken_worker.py")), str(out), str(steps), stall, "1"]
-    with Agents(tmp_path, args, env={"HPCT_CONNECT_TIMEOUT": "60"}) as agents:
-        agents.start()
-        wait_progress(agents, out, 0, 5)
-        os.kill(agents.worker_pid(0, 2), signal.SIGKILL)
+    with overtaken_job(tmp_path, stall, "1") as (agents, out):
         holding = wait_files(agents, out, "holding-*", 1)
         late = wait_files(agents, out, "stalled-*" if replacement == "stalls" else "connecting-1-*", 1)
         time.sleep(1.0)            # rank 0 and the replacement connect generation 1, waiting for rank 1
         os.kill(int(holding[0].name.split("-")[1]), signal.SIGKILL)
         assert agents.wait(LIMIT_S) == [0], agents.output(0)
-    recs = {r["rank"]: r for r in records(out)}
-    assert sorted(recs) == [0, 1, 2]
+    recs = overtaken_records(out)
     starts = agents.events(0, "start")
     assert max(e["generation"] for e in starts) == 2, starts       # one generation per lost worker
     first = next(e["pid"] for e in starts if e["generation"] == 0 and e["rank"] == 0)
@@ -498,8 +490,6 @@ def test_a_replacement_overtaken_before_it_joined_follows_or_restarts_in_the_new
     else:
         assert [(e["pid"], e["generation"]) for e in agents.events(0, "stale")] == [(late_pid, 1)]
         assert recs[2]["generation"] == 2
-    expect = float(3 * sum(range(1, steps + 1)))
-    assert {r["total"] for r in recs.values()} == {expect}
 
 
 @pytest.mark.multiprocess
@@ -511,15 +501,7 @@ def test_a_peer_that_dies_in_the_connect_before_its_agent_knows_is_followed_not_
     "did not form within the connect deadline", the agent's view had not moved, rank 0 raised and
     exited 1, and the job ended.  Now rank 0 asks its agent for the world after generation 1,
     as after a failed step, and meets the others in generation 2 with its state."""
-    out = tmp_path / "out"
-    out.mkdir()
-    steps = 120
-    args = ["--nproc-per-node", "3", "--max-restarts", "0", "--port-base", str(free_port_block(2 * 8 * 3 + 2)),
-            str(Path(__file__).with_name("overtaken_worker.py")), str(out), str(steps), "1"]
-    with Agents(tmp_path, args, env={"HPCT_CONNECT_TIMEOUT": "60"}) as agents:
-        agents.start()
-        wait_progress(agents, out, 0, 5)
-        os.kill(agents.worker_pid(0, 2), signal.SIGKILL)
+    with overtaken_job(tmp_path, "1") as (agents, out):
         wait_files(agents, out, "stalled-*", 1)
         wait_files(agents, out, "recovering-*", 2)
         time.sleep(1.0)            # ranks 0 and 1 connect generation 1, rank 0 waiting for rank 2
@@ -531,13 +513,10 @@ def test_a_peer_that_dies_in_the_connect_before_its_agent_knows_is_followed_not_
         finally:
             os.kill(agent, signal.SIGCONT)
         assert agents.wait(LIMIT_S) == [0], agents.output(0)
-    recs = {r["rank"]: r for r in records(out)}
-    assert sorted(recs) == [0, 1, 2]
+    recs = overtaken_records(out)
     first = next(e["pid"] for e in agents.events(0, "start") if e["generation"] == 0 and e["rank"] == 0)
     assert recs[0]["pid"] == first and recs[0]["met"] == [2], recs[0]
     assert recs[1]["generation"] == 2 and recs[2]["generation"] == 2, recs
-    expect = float(3 * sum(range(1, steps + 1)))
-    assert {r["total"] for r in recs.values()} == {expect}
 
 
 def wait_files(agents: Agents, out: Path, pattern: str, count: int, timeout: float = 120) -> list[Path]:
