@@ -7,6 +7,7 @@ the timing are tests/test_launch_recovery.py's)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -51,7 +52,7 @@ class Agent(Membership):
         self.moves: list[tuple[int, bool]] = []     # (generation, grow) per view move
         self.addrs, self.port = self.opts.hosts, 1
 
-    def _tell_peers(self, message, to=None) -> None:
+    def _tell_peers(self, message, to=None, tries=1) -> None:
         self.pushed.append(message)
 
     def _view_moved(self, generation: int, grow: bool) -> None:
@@ -406,6 +407,53 @@ def test_a_node_another_agent_dropped_for_refusing_is_not_grown_back_until_it_is
     a.handle({"op": "ping", "generation": 1, "nodes": [0, 1], "node": 2})     # its agent is back, idle
     a._take_idle()
     assert (a.generation, a.nodes) == (2, [0, 1, 2])
+
+
+def test_a_node_given_away_as_slow_or_failing_asks_still_hears_that_the_job_finished():
+    """Node 2's slot went to the spare for a lossy link, and node 3's asks fail: both wait
+    outside the view for the job, and _idle() leaves both out (neither may be taken in).  Before,
+    the members told only _idle()'s nodes that they finished: the slow node heard nothing, took
+    the silence for a lost network and exited 18 after the job had finished (the goodput soak)."""
+    a = Agent(0, nnodes=2, spares=3)
+    a.nodes = [0, 4]
+    a.slow[2] = time.monotonic()
+    a._unanswered(3, wire.WireError("timed out"))
+    del a.seen[1]                               # a spare whose agent was never heard
+    assert 2 not in a._idle() and 3 not in a._idle()
+    assert a._contacts() == [2, 3, 4]
+    a.finished.add(3)
+    a.gone[2] = time.monotonic() + 1            # dropped after it was last heard
+    assert a._contacts() == [4]
+
+
+def test_a_final_word_is_asked_again_where_no_answer_came_and_not_where_the_host_refused():
+    """The job's last word (finished, or leaving) crosses the links that are worst at the end: a
+    node that gave no answer is asked again, FINAL_TRIES asks in all; one whose host refuses is
+    not (nothing listens there), and every node is told at once."""
+    got: list[dict] = []
+    with socket.socket() as lossy, socket.socket() as closed:
+        lossy.bind(("127.0.0.1", 0))
+        lossy.listen(4)
+        port = lossy.getsockname()[1]
+        closed.bind(("127.0.0.2", port))        # bound, not listening: the kernel refuses
+
+        def serve():                            # the first ask is lost: closed without an answer
+            for answer in (False, True):
+                conn, _ = lossy.accept()
+                with conn, conn.makefile("rwb") as f:
+                    got.append(json.loads(f.readline()))
+                    if answer:
+                        f.write(b'{"ok": true}\n')
+                        f.flush()
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
+        a = Agent(0)
+        a.addrs, a.port = ["127.0.0.9", "127.0.0.1", "127.0.0.2"], port
+        started = time.monotonic()
+        Membership._tell_peers(a, {"op": "leave", "node": 0, "reason": "done"}, [1, 2], membership.FINAL_TRIES)
+        server.join(5.0)
+    assert time.monotonic() - started < membership.ASK_TIMEOUT_S
+    assert got == [{"op": "leave", "node": 0, "reason": "done"}] * 2
 
 
 def test_an_ask_tells_a_refused_port_from_one_that_never_answers():

@@ -29,7 +29,7 @@ from .events import EventLog
 from .forkserver import ForkServer
 from .links import LinkTimes
 from .losses import Losses
-from .membership import ASK_TIMEOUT_S, JobEnd, Membership
+from .membership import ASK_TIMEOUT_S, FINAL_TRIES, JobEnd, Membership
 from .options import STOP_GRACE_S, RunOptions
 from .workers import Pool, Worker, standbys_due, stop, stranded
 
@@ -275,7 +275,8 @@ class NodeAgent(Losses, Membership):
             if standbys_due(self.workers.values(), self.took_slot, time.monotonic()):
                 self.pool.fill()              # standbys that died are reported and replaced (backoff)
             if not self.workers:
-                self._tell_peers({"op": "leave", "node": self.node, "reason": "done"}, self._contacts())
+                self._tell_peers({"op": "leave", "node": self.node, "reason": "done"}, self._contacts(),
+                                 FINAL_TRIES)
                 self.events.emit("done", "every worker of this node finished", code=0)
                 return 0
             time.sleep(POLL_S)
@@ -286,7 +287,7 @@ class NodeAgent(Losses, Membership):
             self.end = end
             if reason == "signal" or not end.from_peer:
                 self._tell_peers({"op": "leave", "node": self.node, "reason": reason, "code": end.code,
-                                  "why": end.message.splitlines()[0]}, self._contacts())
+                                  "why": end.message.splitlines()[0]}, self._contacts(), FINAL_TRIES)
         self.events.emit("end", end.message, code=end.code)
         stop([w.proc for w in self.workers.values()], STOP_GRACE_S)
         self.pool.close()

@@ -25,6 +25,7 @@ ASK_TIMEOUT_S = 2.0
 REFORM_WAIT_S = 1.0           # a worker's re-form first waits this long for a loss another agent reports
 SETTLE_S = 1.0                # a peer's leave waits this long: if this agent is signalled too, it is a cancel
 REFUSED_S = 1.5               # a peer refusing every ask this long is lost (three heartbeats: not a restart's gap)
+FINAL_TRIES = 3               # asks that tell a node this one finished or leaves (the job's last word to it)
 
 SAME_JOB_FIX = ("start every agent of a job with the same --rdzv-id, --nnodes, --nproc-per-node and host list, "
                 "and each with its own --node-rank")
@@ -272,9 +273,21 @@ class Membership(View):
             others = [n for n in self.nodes if n != self.node]
             return bool(others) and all(n in self.finished for n in others)
 
-    def _tell_peers(self, message: dict, to: list[int] | None = None) -> None:
-        for n in self._peers() if to is None else to:
-            try:
-                wire.ask(self.addrs[n], self.port, message, ASK_TIMEOUT_S)
-            except wire.WireError:
-                pass             # a view: the heartbeat carries it later, or finds the node lost
+    def _tell_peers(self, message: dict, to: list[int] | None = None, tries: int = 1) -> None:
+        """Send ``message`` to each node of ``to`` (default: the view's others), all at once.  A node
+        that gives no answer is asked again, ``tries`` asks in all (a lossy link loses one); one
+        whose host refuses is not (nothing listens there).  Bounded: ``tries`` ask timeouts."""
+        def tell(n: int) -> None:
+            for _ in range(tries):
+                try:
+                    wire.ask(self.addrs[n], self.port, message, ASK_TIMEOUT_S)
+                    return
+                except wire.WireError as err:
+                    if err.refused:
+                        return   # a view: the heartbeat carries it later, or finds the node lost
+        threads = [threading.Thread(target=tell, args=(n,), name="hpct-tell", daemon=True)
+                   for n in (self._peers() if to is None else to)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(tries * (ASK_TIMEOUT_S + 0.5))

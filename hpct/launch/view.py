@@ -172,9 +172,16 @@ class View:
             return [n for n in self.nodes if n != self.node and n not in self.finished]
 
     def _contacts(self) -> list[int]:
-        """The view's nodes and the idle ones: who hears that this node leaves or finished."""
+        """Who hears that this node leaves or finished: the view's nodes, and every node outside it
+        that waits for the job (heard from, not dropped, finished or leaving since): an idle one,
+        and one that _idle() leaves out because its slot was given away as slow or its asks fail.
+        A node left out takes the members' silence at the end for a lost network, and fails (the
+        goodput soak's node behind a lossy link did, 13 s after the job finished)."""
         with self.cond:
-            return sorted(set(self._peers()) | {n for n in self._idle() if n != self.node})
+            waiting = {n for n in range(self.opts.all_nodes) if n not in self.nodes and n != self.node
+                       and n in self.seen and not self._gone(n) and n not in self.finished
+                       and n not in self.leaving}
+            return sorted(set(self._peers()) | waiting)
 
     def _merge(self, generation: int, nodes: list[int], sender) -> None:
         nodes = list(nodes)
