@@ -193,11 +193,8 @@ class Job:
         """Each place's current worker (-1 where none is known now); a place is a rank at the
         start, and hpct's spare brings places of its own."""
         if self.system == "hpct":
-            latest: dict[int, tuple[str, int]] = {}
-            for n in range(self.nodes + self.spares):
-                for e in self.agents.events(n, "start"):
-                    latest[e["place"]] = max(latest.get(e["place"], (e["time"], e["pid"])), (e["time"], e["pid"]))
-            return {r: latest[r][1] if r in latest else -1 for r in sorted(set(range(self.world)) | set(latest))}
+            starts = [e for n in range(self.nodes + self.spares) for e in self.agents.events(n, "start")]
+            return gf.holders(starts, self.world, _alive)
         best: dict[int, tuple[int, int]] = {}
         for pid in _descendants([p.pid for p in self.procs]):
             e = _environ(pid)

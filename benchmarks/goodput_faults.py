@@ -159,6 +159,18 @@ def account(logs, injected: list[dict], steps: int, step_s: float, wall_s: float
     }
 
 
+def holders(starts: list[dict], world: int, alive) -> dict[int, int]:
+    """Each place's current worker from hpct's ``start`` events: the one started last, or -1 where
+    none is (never started, or the last one died and its node's grow or replacement has not
+    started the next: a fault there found a node being taken back, whose new processes are not
+    its doing; taking the dead one's pid told a lossy link as "unexplained")."""
+    latest: dict[int, tuple[str, int]] = {}
+    for e in starts:
+        latest[e["place"]] = max(latest.get(e["place"], (e["time"], e["pid"])), (e["time"], e["pid"]))
+    return {r: latest[r][1] if r in latest and alive(latest[r][1]) else -1
+            for r in sorted(set(range(world)) | set(latest))}
+
+
 def hit_ranks(fault: dict) -> set[int]:
     return set(fault.get("ranks") or [fault["rank"]]) | ({fault["other"]} if fault["other"] >= 0 else set())
 

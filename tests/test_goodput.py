@@ -109,6 +109,26 @@ def test_a_slot_moved_with_no_lossy_link_in_force_is_told_and_one_in_its_minute_
 
 
 @pytest.mark.unit
+def test_a_place_whose_last_worker_died_has_no_holder_and_its_next_process_is_no_faults_doing():
+    # 3x2 soak, seed 104: node 3 came back and was grown into the view; a lossy link came 1.4 s
+    # later, before its fork server had started its workers.  Its places' last workers were the
+    # ones killed with it at t+65 s: the new ones read as the lossy link's doing ("unexplained").
+    starts = [{"place": 0, "time": "10:00:01", "pid": 10}, {"place": 1, "time": "10:00:01", "pid": 11},
+              {"place": 6, "time": "10:00:02", "pid": 60}, {"place": 6, "time": "10:01:05", "pid": 61},
+              {"place": 7, "time": "10:00:02", "pid": 70}]
+    dead = {61, 70}
+    pids = gf.holders(starts, 2, lambda pid: pid not in dead)
+    assert pids == {0: 10, 1: 11, 6: -1, 7: -1}
+    lossy = {"kind": "lossy", "rank": 0, "other": -1, "t": 1.5, "ranks": [0, 1], "pids": pids,
+             "members": [0, 1, 6, 7]}
+    grown = _logs({0: [(0, 1.0, 10), (1, 2.0, 10)], 1: [(0, 1.0, 11), (1, 2.0, 11)],
+                   6: [(1, 2.0, 62)], 7: [(1, 2.0, 71)]})
+    assert gf.outcome(lossy, grown) == "rode through"
+    assert gf.outcome({**lossy, "pids": {**pids, 6: 61, 7: 70}}, grown).startswith("unexplained"), \
+        "the dead workers' pids make the grow's processes the link's doing"
+
+
+@pytest.mark.unit
 def test_each_way_a_fault_can_end_is_told_apart():
     base = {"kind": "kill", "rank": 1, "other": -1, "t": 1.5, "pid": 20, "pids": {0: 10, 1: 20, 2: 30}}
     same = _logs({0: [(0, 1.0, 10), (1, 2.0, 10)], 1: [(0, 1.0, 20), (1, 2.0, 20)], 2: [(0, 1.0, 30), (1, 2.0, 30)]})
