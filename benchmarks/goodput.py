@@ -23,9 +23,11 @@ which can impair one link at a time) instead of a bridge, for both systems.  Rep
 system:
 
 * goodput: steps that count x the fault-free step time / wall time (launch to the job's end;
-  the fault-free step time is measured by a short run of the same system first, hpct's without
-  standbys and spare);
-* lost time (wall minus counted) and its ratio, hpct against stock;
+  the fault-free step time is measured twice: by a short run of the same job first, and from
+  the run's own steps clear of every fault's window; a calibration slower than the clear step
+  was disturbed and is left out of the goal);
+* lost time (wall minus counted) and its ratio, hpct against stock, by each measure;
+* the issue's goal (benchmarks/goodput_report.py: GOAL), met or not by each sound measure;
 * steps redone (max over ranks), and each fault's time to the next step of every rank;
 * how each fault ended, and whether the final parameters equal a fault-free run's bit for bit
   (a stock Gloo run without faults and without simulated compute, made first) where that is

@@ -158,6 +158,12 @@ def test_each_way_a_fault_can_end_is_told_apart():
     assert gf.outcome({**lossy, "pids": {0: 10, 1: 20, 2: 30}}, evicted) == "a spare node took its ranks"
     assert gf.outcome({**lossy, "pids": {0: 10, 1: 20, 2: 30}}, evicted, until=4.5) == "rode through", \
         "still stepping when the next fault came"
+    # the slow node's last logged step (2) logs before a survivor's line of it, and its workers
+    # were stopped after step 3 but before its line: the spare's places step from 4
+    late_line = _logs({0: [(0, 1.0, 10), (1, 2.0, 10), (2, 4.1, 10), (3, 5.0, 10), (4, 6.0, 10)],
+                       1: [(0, 1.0, 20), (1, 2.0, 20), (2, 4.0, 20)], 2: [(0, 1.0, 30), (1, 2.0, 30), (2, 4.0, 30)],
+                       3: [(4, 6.0, 40)], 4: [(4, 6.0, 41)]})
+    assert gf.outcome({**lossy, "pids": {0: 10, 1: 20, 2: 30}}, late_line) == "a spare node took its ranks"
     back = {**evicted, 1: evicted[1] + [(6, 9.0, 22)], 2: evicted[2] + [(6, 9.0, 32)]}
     assert gf.outcome({**lossy, "pids": {0: 10, 1: 20, 2: 30}}, back, until=7.0) == "a spare node took its ranks", \
         "the slow node taking a slot again after the next fault does not undo the move"
@@ -229,6 +235,37 @@ def test_bad_soak_arguments_say_what_is_wrong_before_anything_starts(argv, messa
     with pytest.raises(SystemExit) as exc:
         goodput.main(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_the_goal_is_judged_by_each_sound_measure_and_a_disturbed_calibration_is_void():
+    """The 30-minute soak's first both-systems run: the calibrations ran beside another job
+    (hpct 0.1474 s, stock 0.2293 s against 0.1276 and 0.1662 s clear of every fault), and the
+    report said 113 % goodput and a lost-time ratio of two negative numbers."""
+    import goodput_report as rep
+    from types import SimpleNamespace
+    args = SimpleNamespace(minutes=30, mtbf=120)
+    acc = lambda wall, step, clear: {"goodput": round(13816 * step / wall, 4), "lost_s": round(wall - 13816 * step, 2),
+                                     "step_s": step, "clear_step_s": clear,
+                                     "clear_goodput": round(13816 * clear / wall, 4),
+                                     "clear_lost_s": round(wall - 13816 * clear, 2)}
+    accs = {"hpct": acc(1799.2, 0.1474, 0.1276), "stock": acc(2848.7, 0.2293, 0.1662)}
+    assert rep.disturbed(accs["hpct"]) and rep.disturbed(accs["stock"])
+    v = rep.goal(accs, False, args)
+    assert list(v["goodput"]) == ["the run's clear step"], "a disturbed calibration's figures are left out"
+    assert v["goodput"]["the run's clear step"] == 0.9798 and v["lost_ratio"]["the run's clear step"] == 0.066
+    assert v["met"] and "goodput 98.0 % by the run's clear step (met)" in v["text"]
+    # undisturbed, both measures count, and either one missing its target fails the goal
+    accs["hpct"] = acc(1799.2, 0.1270, 0.1276)
+    accs["stock"] = acc(2848.7, 0.1650, 0.1662)
+    v = rep.goal(accs, False, args)
+    assert set(v["goodput"]) == {"the calibrated step", "the run's clear step"} and v["met"]
+    accs["hpct"] = acc(1915.0, 0.1318, 0.1318)
+    v = rep.goal(accs, False, args)
+    assert not v["met"] and "goodput 95.1 % by the calibrated step (NOT met)" in v["text"]
+    assert not rep.goal({"hpct": acc(1799.2, 0.127, 0.1276)}, True, args)["met"]
+    short = rep.goal(accs, False, SimpleNamespace(minutes=1, mtbf=8))
+    assert not short["met"] and "this run is shorter or calmer" in short["text"]
 
 
 @pytest.mark.unit
