@@ -27,7 +27,8 @@ system:
   the run's own steps clear of every fault's window; a calibration slower than the clear step
   was disturbed and is left out of the goal);
 * lost time (wall minus counted) and its ratio, hpct against stock, by each measure;
-* the issue's goal (benchmarks/goodput_report.py: GOAL), met or not by each sound measure;
+* the issue's goal (benchmarks/goodput_report.py: GOAL), printed by each sound measure and
+  judged by the run's clear step;
 * steps redone (max over ranks), and each fault's time to the next step of every rank;
 * how each fault ended, and whether the final parameters equal a fault-free run's bit for bit
   (a stock Gloo run without faults and without simulated compute, made first) where that is
