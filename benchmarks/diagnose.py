@@ -59,37 +59,19 @@ def run_matrix(nodes, extra: list[str], nbytes: int, timeout: float, wall: list 
     return json.loads(so)
 
 
-def _slow(a, b, mbit: float) -> None:
-    """Limit only the traffic between namespaces a and b, both ways (htb; the rest unshaped)."""
-    for src, dst in ((a, b), (b, a)):
-        for args in (["qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb"],
-                     ["class", "add", "dev", "eth0", "parent", "1:", "classid", "1:20", "htb", "rate",
-                      f"{mbit:.3f}mbit"],
-                     ["filter", "add", "dev", "eth0", "protocol", "ip", "parent", "1:", "prio", "1", "u32",
-                      "match", "ip", "dst", f"{dst.address}/32", "flowid", "1:20"]):
-            subprocess.run(["ip", "netns", "exec", src.name, "tc", *args], check=True, capture_output=True,
-                           timeout=30)
-
-
-def _unslow(*nodes) -> None:
-    for n in nodes:
-        subprocess.run(["ip", "netns", "exec", n.name, "tc", "qdisc", "del", "dev", "eth0", "root"],
-                       capture_output=True, timeout=30)
-
-
 def slow_table(host_counts: list[int], ratios: list[int], timeout: float) -> None:
-    from netns import netns_network
+    from netns import limit_link, netns_network, unlimit
     rows = []
     for n in host_counts:
         with netns_network(n, "hpct-bslow", "10.236.0") as nodes:
             median = run_matrix(nodes, [], 8 << 20, timeout)["medians"]["inter"]["bw_MBps"]
             for ratio in ratios:
-                _slow(nodes[1], nodes[2], median * 8 / ratio)
+                limit_link(nodes[1], nodes[2], f"{median * 8 / ratio:.3f}mbit")
                 wall: list = []
                 try:
                     got = run_matrix(nodes, [], 8 << 20, timeout, wall)
                 finally:
-                    _unslow(nodes[1], nodes[2])
+                    unlimit(nodes[1], nodes[2])
                 row = next(r for r in got["links"] if (r["a"], r["b"]) == (1, 2))
                 rows.append((n, median, ratio, min(row["bw_ab_MBps"], row["bw_ba_MBps"]),
                              sum(1 for r in got["links"] if r.get("alone")), got["seconds"], wall[0],

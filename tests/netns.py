@@ -56,6 +56,31 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def tc(ns: "Namespace", *args: str, check: bool = True) -> None:
+    """tc inside a namespace; a failure names the command and what tc said (a bare
+    CalledProcessError, its output captured, told nothing of why a qdisc was refused)."""
+    r = subprocess.run(["ip", "netns", "exec", ns.name, "tc", *args], capture_output=True, text=True,
+                       timeout=TIMEOUT_S)
+    if check and r.returncode:
+        raise RuntimeError(f"`tc {' '.join(args)}` in namespace {ns.name} exited {r.returncode}: "
+                           f"{(r.stderr or r.stdout).strip() or '(nothing said)'}")
+
+
+def limit_link(a: "Namespace", b: "Namespace", rate: str) -> None:
+    """Limit only the traffic between namespaces a and b, both ways, to RATE (tc's units, such as
+    4kbit): an htb class that only b's (a's) address is filtered into; the rest stays unshaped."""
+    for src, dst in ((a, b), (b, a)):
+        tc(src, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb")
+        tc(src, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:20", "htb", "rate", rate)
+        tc(src, "filter", "add", "dev", "eth0", "protocol", "ip", "parent", "1:", "prio", "1", "u32",
+           "match", "ip", "dst", f"{dst.address}/32", "flowid", "1:20")
+
+
+def unlimit(*nodes: "Namespace") -> None:
+    for n in nodes:
+        tc(n, "qdisc", "del", "dev", "eth0", "root", check=False)
+
+
 def _delete(name: str) -> None:
     try:
         _ip("netns", "del", name)

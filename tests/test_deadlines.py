@@ -120,14 +120,19 @@ def test_recovery_fails_within_the_connect_deadline_when_a_member_stops_inside_i
             j.kill(stopper)
         assert {r: j.procs[r].returncode for r in range(stopper)} == {r: 0 for r in range(stopper)}, \
             "\n".join(j.output(r) for r in range(stopper))
+    errors = []
     for r in range(stopper):
         recs = json.loads((tmp_path / f"deadline-{r}.json").read_text())
         assert [rec["what"] for rec in recs] == ["op", "recover"], (r, recs)
         rec = recs[1]
-        assert rec["error"] == "RendezvousError", (r, rec)
+        # the first rank whose deadline passes gives the generation up and closes its sockets: a
+        # rank still waiting on it then fails at once, a FormationError (a RendezvousError)
+        assert rec["error"] in ("RendezvousError", "FormationError"), (r, rec)
+        errors.append(rec["error"])
         assert rec["s"] <= CONNECT_S + SLACK_S, f"rank {r}: recover failed after {rec['s']:.2f} s: " \
                                                 f"{rec['message'][:300]}"
         # The message names the member it waited for (issue 41: it named no peer before).
         assert re.search(r"(waiting for|to) rank \d \(127\.0\.0\.1:\d+", rec["message"]), rec["message"][:500]
+    assert "RendezvousError" in errors, f"no rank waited out its deadline: {errors}"
     named = [json.loads((tmp_path / f"deadline-{r}.json").read_text())[1]["message"] for r in range(stopper)]
     assert any(f"rank {stopper} (127.0.0.1:" in m for m in named), [m[:400] for m in named]

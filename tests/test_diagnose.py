@@ -22,7 +22,7 @@ from hpct.config import Config
 from hpct.ports import free_port_block
 from hpct.diagnose import audit, diagnosis, links, schedule, verdict
 from hpct.diagnose.report import table as report_table
-from netns import netns_network, unavailable_reason
+from netns import limit_link, netns_network, unavailable_reason, unlimit
 
 # serial: the profile measured it filling both cores or timing itself (ci/test.sh)
 pytestmark = pytest.mark.serial
@@ -63,24 +63,14 @@ def _run(nodes, per_rank, args, nproc=1, hosts=None):
     return out
 
 
-def _tc(node, *args, check: bool = True):
-    subprocess.run(["ip", "netns", "exec", node.name, "tc", *args], check=check, capture_output=True,
-                   text=True, timeout=30)
-
-
 @contextlib.contextmanager
 def _slowed(a, b, rate: str):
     """Limit only the traffic between namespaces a and b, both ways, for the with-block."""
     try:
-        for src, dst in ((a, b), (b, a)):
-            _tc(src, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb")   # unmatched: unshaped
-            _tc(src, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:20", "htb", "rate", rate)
-            _tc(src, "filter", "add", "dev", "eth0", "protocol", "ip", "parent", "1:", "prio", "1", "u32",
-                "match", "ip", "dst", f"{dst.address}/32", "flowid", "1:20")
+        limit_link(a, b, rate)
         yield
     finally:
-        for n in (a, b):     # unchecked: a set-up that failed half-way left no qdisc on one end
-            _tc(n, "qdisc", "del", "dev", "eth0", "root", check=False)
+        unlimit(a, b)     # unchecked: a set-up that failed half-way left no qdisc on one end
 
 
 @pytest.fixture(scope="module")
