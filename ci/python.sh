@@ -5,6 +5,14 @@
 # that the OS does not manage (Debian's refuses pip installs, PEP 668); pyenv's python3.  A login
 # shell may list /usr/bin before pyenv's shims, so "python3 on PATH" alone is not enough.
 
+# The system tools that the set-up installs and the tests run as root live in sbin (tc, sysctl,
+# debootstrap, slurmctld, munged): a PATH without it (a clean `env -i` shell, a non-login one)
+# made the image and Slurm tests skip as "not installed" and every htb link fail to exec tc.
+for dir in /usr/local/sbin /usr/sbin /sbin; do
+  case ":$PATH:" in *":$dir:"*) ;; *) PATH="$PATH:$dir" ;; esac
+done
+export PATH
+
 hpct_os_managed() {   # true when pip may not install into interpreter $1
   "$1" - <<'PY'
 import os, sys, sysconfig
