@@ -60,18 +60,15 @@ def run_matrix(nodes, extra: list[str], nbytes: int, timeout: float, wall: list 
 
 
 def slow_table(host_counts: list[int], ratios: list[int], timeout: float) -> None:
-    from netns import limit_link, netns_network, unlimit
+    from netns import limited_link, netns_network
     rows = []
     for n in host_counts:
         with netns_network(n, "hpct-bslow", "10.236.0") as nodes:
             median = run_matrix(nodes, [], 8 << 20, timeout)["medians"]["inter"]["bw_MBps"]
             for ratio in ratios:
-                limit_link(nodes[1], nodes[2], f"{median * 8 / ratio:.3f}mbit")
                 wall: list = []
-                try:
+                with limited_link(nodes[1], nodes[2], f"{median * 8 / ratio:.3f}mbit"):
                     got = run_matrix(nodes, [], 8 << 20, timeout, wall)
-                finally:
-                    unlimit(nodes[1], nodes[2])
                 row = next(r for r in got["links"] if (r["a"], r["b"]) == (1, 2))
                 rows.append((n, median, ratio, min(row["bw_ab_MBps"], row["bw_ba_MBps"]),
                              sum(1 for r in got["links"] if r.get("alone")), got["seconds"], wall[0],

@@ -187,15 +187,15 @@ def outcome(fault: dict, logs, until: float = float("inf"), carried: frozenset =
     left = _left_slow_node(fault, logs, members, until)
     lost = _lost_with_node(fault) | left
     # the survivors re-formed after the fault, or after a slow node's places last stepped
-    since = max([fault["t"]] + [t for r in left for _, t, _ in logs[r] if t < until])
+    left_rows = [(s, t) for r in left for s, t, _ in logs[r] if t < until]
+    since = max([fault["t"]] + [t for _, t in left_rows])
     nexts = {r: min((s for s, t, _ in rows if t > since), default=None) for r, rows in logs.items()}
     resumed = min((s for r, s in nexts.items() if s is not None and r in members - lost), default=None)
     # the slow node's places left after the last step they logged, whichever of that step's lines
     # came last: a survivor on the loaded cores may log it after them, and a worker stopped
     # between its step and its log line leaves one more step unlogged
-    last_left = max((s for r in left for s, t, _ in logs[r] if t < until), default=None)
-    if resumed is not None and last_left is not None:
-        resumed = max(resumed, last_left + 1)
+    if resumed is not None and left_rows:
+        resumed = max(resumed, max(s for s, _ in left_rows) + 1)
     # a spare's places (or a returned node's): outside the world at the fault, stepping from the
     # step the survivors re-formed at (after the one in flight at the fault; a later grow's is later)
     fresh = {r for r, s in nexts.items() if r not in members and s is not None and resumed is not None

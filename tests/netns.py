@@ -66,19 +66,21 @@ def tc(ns: "Namespace", *args: str, check: bool = True) -> None:
                            f"{(r.stderr or r.stdout).strip() or '(nothing said)'}")
 
 
-def limit_link(a: "Namespace", b: "Namespace", rate: str) -> None:
+@contextlib.contextmanager
+def limited_link(a: "Namespace", b: "Namespace", rate: str) -> Iterator[None]:
     """Limit only the traffic between namespaces a and b, both ways, to RATE (tc's units, such as
-    4kbit): an htb class that only b's (a's) address is filtered into; the rest stays unshaped."""
-    for src, dst in ((a, b), (b, a)):
-        tc(src, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb")
-        tc(src, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:20", "htb", "rate", rate)
-        tc(src, "filter", "add", "dev", "eth0", "protocol", "ip", "parent", "1:", "prio", "1", "u32",
-           "match", "ip", "dst", f"{dst.address}/32", "flowid", "1:20")
-
-
-def unlimit(*nodes: "Namespace") -> None:
-    for n in nodes:
-        tc(n, "qdisc", "del", "dev", "eth0", "root", check=False)
+    4kbit) for the with-block: an htb class that only b's (a's) address is filtered into; the
+    rest stays unshaped."""
+    try:
+        for src, dst in ((a, b), (b, a)):
+            tc(src, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb")
+            tc(src, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:20", "htb", "rate", rate)
+            tc(src, "filter", "add", "dev", "eth0", "protocol", "ip", "parent", "1:", "prio", "1", "u32",
+               "match", "ip", "dst", f"{dst.address}/32", "flowid", "1:20")
+        yield
+    finally:
+        for n in (a, b):     # unchecked: a set-up that failed half-way left no qdisc on one end
+            tc(n, "qdisc", "del", "dev", "eth0", "root", check=False)
 
 
 def _delete(name: str) -> None:

@@ -8,7 +8,6 @@ the audit's comparison as pure functions.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -22,7 +21,7 @@ from hpct.config import Config
 from hpct.ports import free_port_block
 from hpct.diagnose import audit, diagnosis, links, schedule, verdict
 from hpct.diagnose.report import table as report_table
-from netns import limit_link, netns_network, unavailable_reason, unlimit
+from netns import limited_link, netns_network, unavailable_reason
 
 # serial: the profile measured it filling both cores or timing itself (ci/test.sh)
 pytestmark = pytest.mark.serial
@@ -61,16 +60,6 @@ def _run(nodes, per_rank, args, nproc=1, hosts=None):
                 p.kill()
                 p.wait(10)
     return out
-
-
-@contextlib.contextmanager
-def _slowed(a, b, rate: str):
-    """Limit only the traffic between namespaces a and b, both ways, for the with-block."""
-    try:
-        limit_link(a, b, rate)
-        yield
-    finally:
-        unlimit(a, b)     # unchecked: a set-up that failed half-way left no qdisc on one end
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +129,7 @@ def test_a_link_at_a_hundredth_of_the_others_is_named_and_only_it_with_the_heatm
     # 1/100 of this machine's median: the old byte-bounded probe moved 8 MiB x 3 each way over it
     mbit = max(median * 8 / 100, 0.1)
     png = tmp_path / "matrix.png"
-    with _slowed(hosts[1], hosts[2], f"{mbit:.2f}mbit"):
+    with limited_link(hosts[1], hosts[2], f"{mbit:.2f}mbit"):
         got = _run(hosts, lambda r: {}, [*ARGS, "--json", "--plot", str(png)])
         table = _run(hosts, lambda r: {}, ARGS)
     assert [c for c, _, _ in got] == [SUSPECT_EXIT] * 4, got
@@ -167,7 +156,7 @@ def test_a_link_at_a_hundredth_of_the_others_is_named_and_only_it_with_the_heatm
 @pytest.mark.multiprocess
 def test_a_timeout_prints_the_matrix_so_far_and_names_the_link_it_waited_on(hosts):
     # 4 kbit/s: the warm-up's first two 4 KiB chunks alone outlast the --timeout; 2-3 is the last round's
-    with _slowed(hosts[2], hosts[3], "4kbit"):
+    with limited_link(hosts[2], hosts[3], "4kbit"):
         got = _run(hosts, lambda r: {}, ["--timeout", "6", "--json"])
     assert [c for c, _, _ in got] == [TIMEOUT_EXIT] * 4, got
     report = json.loads(got[0][1])
