@@ -24,7 +24,8 @@ from typing import Iterator
 from ..errors import ConfigError, SourceError
 
 WORKDIR_ENV = "HPCT_BUILD_DIR"
-INPUT_DIRS = ("patches", "build_scripts", "src/nccl_rootless")   # plus third_party/*.toml; the last: NCCL's shared ring core
+# plus third_party/*.toml; src/: NCCL's shared ring core, the out-of-tree torch module's sources
+INPUT_DIRS = ("patches", "build_scripts", "src/nccl_rootless", "src/torch_c10d")
 INPUTS_STAMP = ".hpct-inputs.json"
 
 

@@ -79,10 +79,14 @@ def project_files(layout: Layout, m: Manifest) -> tuple[tuple[str, Path], ...]:
                  for rel, src in sorted(m.extra.get("series", {}).get("project_files", {}).items()))
 
 
-def load_series(layout: Layout, m: Manifest) -> Series:
+def load_series(layout: Layout, m: Manifest, part: str | None = None) -> Series:
+    """The series of ``m``, or of its sub-folder ``part`` (patches/pytorch/2.6.0/wheel: a recipe's
+    own patches, applied after the series; project files belong to the main series only)."""
     directory = layout.series_dir(m.name, m.version)
+    if part is not None:
+        directory = directory / part
     path = directory / "series"
-    placed = project_files(layout, m)
+    placed = project_files(layout, m) if part is None else ()
     if not path.is_file():
         return Series(m.name, m.version, directory, (), placed)
     entries = []
@@ -211,6 +215,12 @@ def extract_new_file(layout: Layout, m: Manifest, relpath: str, dest_dir: Path) 
             return dest
     raise PatchError(f"no patch or project file of {m.name} {m.version} adds {relpath}",
                      fix=f"check the path against patches/{m.name}/{m.version}/")
+
+
+def file_subset(path: Path, keep) -> str:
+    """The diffs of patch ``path`` whose file ``keep(name)`` accepts, as a patch ``patch`` reads."""
+    return "".join(f"diff --git a/{name} b/{name}{body}" for name, body in _file_diffs(path.read_text())
+                   if keep(name))
 
 
 def touched_files(series: Series) -> list[str]:
