@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from .doctor_c10d import check_c10d_patches, expected_torch_series, series_of
 from .requirements import (NCCL_WHEEL, TORCH_PATCHED_PIN, install_fix, nccl_fix, nccl_pin_of, pip_command,
                            python_floor_text, runtime_requirements, satisfies, torch_fix, unmet)
 
@@ -62,6 +63,7 @@ class Probe:
     bind_host: str = "0.0.0.0"
     metadata: Callable[[str], object] = importlib.metadata.metadata    # hpct's own Requires-*
     dist_version: Callable[[str], str] = importlib.metadata.version     # installed dependencies
+    torch_series: Callable[[], str | None] = expected_torch_series      # the PyTorch series hpct carries
 
 
 def _hpct_metadata(probe: Probe):
@@ -206,17 +208,7 @@ def check_torch_backends(probe: Probe, torch) -> Row:
 
 def torch_is_patched(torch) -> bool:
     """hpct's PyTorch builds carry "hpct" in the local version (e.g. 2.6.0+hpct.<series>)."""
-    version = str(getattr(torch, "__version__", ""))
-    return "hpct" in version.partition("+")[2]
-
-
-def check_c10d_patches(torch) -> Row:
-    if torch is None:
-        return Row("c10d patches", "skip", "PyTorch is not importable")
-    if torch_is_patched(torch):
-        return Row("c10d patches", "ok", f"{torch.__version__} carries hpct's c10d patches")
-    return Row("c10d patches", "info",
-               f"stock PyTorch {torch.__version__}: rootless start-up goes through hpct's own backend")
+    return series_of(str(getattr(torch, "__version__", ""))) is not None
 
 
 # The probe runs in a child process: a broken or foreign libnccl can crash or hang
@@ -532,7 +524,7 @@ def run_checks(probe: Probe | None = None) -> list[Row]:
     torch_row, torch = check_torch(probe)
     config_row, config = check_config(probe)
     rows = [check_python(probe), torch_row, check_dependencies(probe), *check_extension(probe), check_torch_backends(probe, torch),
-            check_c10d_patches(torch), check_nccl(probe, torch, config), check_nccl_for_hpct(probe, torch),
+            check_c10d_patches(probe, torch), check_nccl(probe, torch, config), check_nccl_for_hpct(probe, torch),
             *check_nccl_wheel(probe), config_row]
     if config is None:
         rows += [Row("kernel port ranges", "skip", "the configuration is invalid"),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 TORCH_CPU_PIN = "2.13.0"        # the stock CPU wheel ci/setup.sh installs and CI runs against
-TORCH_PATCHED_PIN = "2.6.0"     # the PyTorch hpct's c10d/NCCL series patch (hpct-build build pytorch)
+TORCH_PATCHED_PIN = "2.6.0"     # the PyTorch hpct's c10d/NCCL series patch (hpct-build wheel torch=2.6.0)
 TORCH_NEWEST = "2.15.0"         # the newest torch hpct supports (pyproject's extra: <2.16); a newer
                                 # release is admitted by a green CI on it and a one-line bump there
 # The NCCL each CUDA torch pins, where hpct has a series for it: a drop-in wheel then replaces
@@ -125,7 +125,7 @@ def torch_fix(executable: str | None = None, installed: str | None = None, cuda:
     return (f"{pip} install torch=={TORCH_CPU_PIN} (the CPU build hpct is tested with, "
             f"as ci/setup.sh installs it); for GPUs, torch {TORCH_NEWEST} from PyPI with hpct's NCCL "
             f"(hpct-build build nccl={NCCL_NEWEST_SERIES}), or hpct's patched PyTorch {TORCH_PATCHED_PIN}: "
-            f"hpct-build build pytorch")
+            f"hpct-build wheel torch={TORCH_PATCHED_PIN}")
 
 
 def nccl_pin_of(torch_version: str | None) -> str | None:

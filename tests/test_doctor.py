@@ -33,7 +33,7 @@ FETCH = f"{sys.executable} -m pip download --no-deps nvidia-nccl-cu12=={NCCL_PIN
 # newest supported CUDA build with hpct's NCCL, or hpct's patched 2.6.0.
 TORCH_FIX = (f"{sys.executable} -m pip install torch==2.13.0 (the CPU build hpct is tested with, as "
              f"ci/setup.sh installs it); for GPUs, torch 2.15.0 from PyPI with hpct's NCCL (hpct-build build "
-             f"nccl=2.30.7), or hpct's patched PyTorch 2.6.0: hpct-build build pytorch")
+             f"nccl=2.30.7), or hpct's patched PyTorch 2.6.0: hpct-build wheel torch=2.6.0")
 # An installed CUDA torch outside the range: a CUDA torch in it, never the CPU wheel.
 CUDA_TORCH_FIX = f"{sys.executable} -m pip install torch==2.15.0 (its CUDA build, as PyPI serves it)"
 
@@ -140,7 +140,7 @@ def good(tmp_path, proc_sys, free_base, rootless_nccl) -> Probe:
     series.write_text(json.dumps({"series_id": "s1"}))
     return Probe(env={"HPCT_USE_ROOTLESS": "1", "HPCT_PORT_BASE": str(free_base)}, proc_sys=proc_sys,
                  import_module=importer(torch=fake_torch(), ext=fake_ext()), series_file=series,
-                 nccl_paths=[rootless_nccl], use_ldconfig=False,
+                 nccl_paths=[rootless_nccl], use_ldconfig=False, torch_series=lambda: "s1",
                  sys_path=[])    # no nvidia-nccl wheel row: a CUDA torch's site-packages holds one
 
 
@@ -284,6 +284,68 @@ def test_torch_backends_fail(good, torch, detail):
     row = rows_by_name(run_checks(with_(good, import_module=importer(torch=torch, ext=fake_ext()))))["torch backends"]
     assert (row.status, row.detail) == ("fail", detail)
     assert row.fix.endswith(TORCH_FIX)
+
+
+def _out_of_tree(installed=True, record=None, error=None):
+    """torch.distributed._hpct_out_of_tree of hpct's out-of-tree wheel, and its torch._C module."""
+    record = record or {"gloo_series_id": "g1", "module": {"nccl": True, "needs": ["glibc 2.34"]}}
+    oot = types.SimpleNamespace(record=lambda: record)
+    c10d = types.SimpleNamespace(_hpct_out_of_tree=installed)
+    def import_module(name):
+        if name == "torch.distributed._hpct_out_of_tree":
+            if error is not None:
+                raise error
+            return oot
+        if name == "torch._C._distributed_c10d":
+            return c10d
+        return importer(torch=fake_torch(), ext=fake_ext())(name)
+    return import_module
+
+
+@pytest.mark.unit
+def test_a_torch_of_this_hpcts_series_is_recognised_out_of_tree(good):
+    row = rows_by_name(run_checks(with_(good, import_module=_out_of_tree())))["c10d patches"]
+    assert (row.status, row.detail) == ("ok", "2.6.0+hpct.s1 carries hpct's c10d series s1, this hpct's own "
+                                              "(out of tree in torch._hpct_c10d with Gloo series g1, "
+                                              "ProcessGroupNCCL too; needs glibc 2.34)")
+
+
+@pytest.mark.unit
+def test_a_torch_of_another_series_fails_with_the_rebuild(good):
+    row = rows_by_name(run_checks(with_(good, torch_series=lambda: "s2")))["c10d patches"]
+    assert (row.status, row.detail) == ("fail", "2.6.0+hpct.s1 carries c10d series s1, but this hpct's series is s2")
+    assert row.fix.startswith("build and install the torch of this hpct's series: hpct-build wheel torch=2.6.0")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("probe, detail", [
+    (dict(installed=False), "2.6.0+hpct.s1: torch._hpct_c10d is installed but not in use (torch.distributed did "
+                            "not put its classes in place)"),
+    (dict(error=ImportError("hpct's patched torch cannot load its c10d module torch._hpct_c10d: GLIBCXX")),
+     "2.6.0+hpct.s1: hpct's patched torch cannot load its c10d module torch._hpct_c10d: GLIBCXX"),
+])
+def test_an_out_of_tree_module_not_in_use_fails(good, probe, detail):
+    row = rows_by_name(run_checks(with_(good, import_module=_out_of_tree(**probe))))["c10d patches"]
+    assert (row.status, row.detail) == ("fail", detail)
+
+
+@pytest.mark.unit
+def test_an_hpct_from_a_source_tree_cannot_say_which_series_it_expects(good):
+    row = rows_by_name(run_checks(with_(good, torch_series=lambda: None)))["c10d patches"]
+    assert row.status == "ok" and row.detail.endswith("the series this hpct expects is unknown (it is not "
+                                                      "installed from a wheel)")
+
+
+@pytest.mark.unit
+def test_the_expected_series_is_that_of_the_inputs_the_wheel_carries():
+    from hpct.builder.layout import Layout, packaged_inputs
+    from hpct.builder.patches import load_series
+    from hpct.builder.sources import load_manifest
+    from hpct.doctor_c10d import expected_torch_series
+    inputs = packaged_inputs()
+    assert inputs is not None, "the installed hpct carries no hpct/_build_inputs"
+    want = load_series(Layout(REPO), load_manifest(Layout(REPO), "pytorch")).identity()
+    assert expected_torch_series() == want
 
 
 @pytest.mark.unit

@@ -174,6 +174,6 @@ def test_torch_row_range_from_metadata():
     row, _ = doctor.check_torch(Probe(metadata=meta, import_module=lambda name: torch))
     assert (row.status, row.detail) == ("fail", "2.7.0 is outside hpct's supported range torch<2.7,>=2.6")
     assert row.fix == requirements.torch_fix()          # a CPU torch: the CPU pin, or the GPU ways
-    assert "install torch==2.13.0" in row.fix and "patched PyTorch 2.6.0: hpct-build build pytorch" in row.fix
+    assert "install torch==2.13.0" in row.fix and "patched PyTorch 2.6.0: hpct-build wheel torch=2.6.0" in row.fix
     row, _ = doctor.check_torch(Probe(metadata=not_installed, import_module=lambda name: torch))
     assert (row.status, row.detail) == ("ok", "2.7.0 (CPU-only)")
