@@ -41,6 +41,9 @@ if [ $# -eq 0 ]; then   # after `all` has fetched NCCL's sources: the real NCCL 
   # tests/test_nccl_build.py use the CPU the tests leave idle (nice 19: they never slow a
   # test down; the tests wait for them, then find them built)
   timeout 70m nice -n 19 "$PYTHON" tests/nccl_prebuild.py >build/nccl-prebuild.log 2>&1 &
+  # Likewise the patched torch 2.6.0 wheel (hpct-build wheel torch=2.6.0, from the build cache when
+  # warm) and the two torch 2.6.0 environments tests/test_patched_torch.py runs in (cached by key)
+  timeout 70m nice -n 19 "$PYTHON" tests/torch26.py >build/torch26-prepare.log 2>&1 &
 fi
 # -P keeps the checkout off sys.path (the tests exercise the installed wheel), and
 # the same interpreter that installed the wheel runs the tests.
@@ -68,8 +71,8 @@ else
   # A tier's longest files start first, one per worker (collection order, not xdist's
   # most-tests-first): started late, the image build alone outlasted every other slow worker,
   # and PyTorch's c10d suite (one test, three minutes) the other multiprocess ones.
-  LONG_FIRST=(tests/test_image.py tests/test_goodput.py tests/test_wheels.py tests/test_source_install.py
-              tests/test_torch_suites.py tests/test_fault_tolerance.py)
+  LONG_FIRST=(tests/test_image.py tests/test_patched_torch.py tests/test_goodput.py tests/test_wheels.py
+              tests/test_source_install.py tests/test_torch_suites.py tests/test_fault_tolerance.py)
   earlier=""
   for marker in "${TIER_MARKERS[@]}"; do
     tier "pytest $marker"

@@ -5,9 +5,11 @@
 SUITE "generic": ``DistributedTest._DistTestBase`` from the torch wheel
 (torch.testing._internal.distributed.distributed_test), world size 2, file:// init.
 SUITE "c10d_gloo": ``ProcessGroupGlooTest`` from PyTorch 2.6.0's test/distributed/test_c10d_gloo.py,
-whose folder is TORCH_C10D_TEST_DIR (the pinned, patched source tree).
+whose folder is TORCH_C10D_TEST_DIR (the pinned, patched source tree); "c10d_gloo:CLASS,CLASS...",
+those classes of that file, each at its own world size, their tests named CLASS.test
+(tests/test_patched_torch.py runs the whole file so on torch 2.6.0, stock and patched).
 
-BACKEND "gloo" runs the suite as PyTorch ships it.  BACKEND "hpct" runs the same test bodies on
+BACKEND "gloo" runs the suite as PyTorch ships it, on whichever torch runs this script.  BACKEND "hpct" runs the same test bodies on
 the hpct backend: the suites gate most tests on ``BACKEND == "gloo"`` and create their groups with
 ``backend="gloo"``, so the module is imported as for gloo and every group that the test asks to be
 a gloo group is created as an hpct group instead (init_process_group, new_group, the direct
@@ -15,7 +17,8 @@ ProcessGroupGloo constructor of test_c10d_gloo.py).  The ranks are forked (the h
 them, which costs an interpreter start per rank and test); every test is bounded by
 DISTRIBUTED_TESTS_DEFAULT_TIMEOUT.
 
-OUT_JSON gets {test: {"status": pass|fail|error|skip, "detail": text}}.
+OUT_JSON gets {test: {"status": pass|fail|error|skip, "detail": text}}; OUT_JSON.meta.json says which
+torch ran it and whose ProcessGroupGloo class it had.
 """
 
 from __future__ import annotations
@@ -102,18 +105,43 @@ def c10d_gloo_case():
     return C10dGloo
 
 
+def c10d_gloo_class_case(name: str):
+    sys.path.insert(0, os.environ["TORCH_C10D_TEST_DIR"])
+    import test_c10d_gloo as tg
+    from torch.testing._internal.common_distributed import MultiProcessTestCase
+    base = getattr(tg, name)
+    if not issubclass(base, MultiProcessTestCase):
+        return base
+
+    class Forked(base):
+        def setUp(self):
+            MultiProcessTestCase.setUp(self)
+            _fork(self)
+
+    Forked.__name__ = Forked.__qualname__ = name
+    return Forked
+
+
+def meta() -> dict:
+    ext = getattr(torch, "_hpct_c10d", None)
+    return {"torch": torch.__version__,
+            "process_group_gloo": "hpct's series (torch._hpct_c10d)"
+            if ext is not None and dist.ProcessGroupGloo is ext.ProcessGroupGloo else "torch's own"}
+
+
 class Recorder(unittest.TestResult):
-    def __init__(self):
+    def __init__(self, qualified: bool = False):
         super().__init__()
         self.rows: dict[str, dict] = {}
         self.t0 = 0.0
+        self.qualified = qualified
 
     def startTest(self, test):
         super().startTest(test)
         self.t0 = time.monotonic()
 
     def _put(self, test, status, detail=""):
-        name = test.id().split(".")[-1]
+        name = ".".join(test.id().split(".")[-2 if self.qualified else -1:])
         self.rows[name] = {"status": status, "detail": str(detail)[-1500:],
                            "seconds": round(time.monotonic() - self.t0, 2)}
         print(f"{name}: {status}", flush=True)
@@ -138,20 +166,29 @@ class Recorder(unittest.TestResult):
 
 
 def main() -> int:
-    case = generic_case() if SUITE == "generic" else c10d_gloo_case()
-    names = NAMES
-    if names == ["ALL"]:
-        names = unittest.TestLoader().getTestCaseNames(case)
-    suite = unittest.TestSuite(case(name) for name in names if hasattr(case, name))
-    missing = [n for n in names if not hasattr(case, n)]
-    result = Recorder()
+    if SUITE.startswith("c10d_gloo:"):
+        cases = {name: c10d_gloo_class_case(name) for name in SUITE.partition(":")[2].split(",")}
+    else:
+        cases = {"": generic_case() if SUITE == "generic" else c10d_gloo_case()}
+    suite, missing = unittest.TestSuite(), []
+    for prefix, case in cases.items():
+        names = NAMES
+        if names == ["ALL"]:
+            names = unittest.TestLoader().getTestCaseNames(case)
+        elif prefix:              # CLASS.test names pick tests of the classes of a c10d_gloo:... suite
+            names = [n.partition(".")[2] for n in names if n.partition(".")[0] == prefix]
+        suite.addTests(case(name) for name in names if hasattr(case, name))
+        missing += [n for n in names if not hasattr(case, n)]
+    result = Recorder(qualified=SUITE.startswith("c10d_gloo:"))
     suite.run(result)
     for name in missing:
-        result.rows[name] = {"status": "missing", "detail": f"{case.__name__} has no {name}"}
+        result.rows[name] = {"status": "missing", "detail": f"no test {name} in {SUITE}"}
     tmp = OUT + ".tmp"
     with open(tmp, "w") as f:
         json.dump(result.rows, f, indent=1, sort_keys=True)
     os.replace(tmp, OUT)
+    with open(OUT + ".meta.json", "w") as f:
+        json.dump(meta(), f)
     return 0
 
 

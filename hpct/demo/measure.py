@@ -197,6 +197,21 @@ def raw_rank(rank: int, n: int, base: int) -> float:
     return done
 
 
+def patched_env(rank: int, world: int, base: int, generation: int = 0) -> None:
+    """hpct's patched torch (hpct-build wheel torch=2.6.0): its own rootless path, same plan."""
+    hpct_env(rank, world, base, generation=generation)
+    os.environ["HPCT_USE_ROOTLESS"] = "1"
+
+
+def patched_rank(rank: int, n: int, base: int) -> float:
+    """torch's own init_process_group("gloo") in hpct's patched torch: no store, no root."""
+    patched_env(rank, n, base)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    done = first_allreduce()
+    quit_barrier()
+    return done
+
+
 def stock_rank(rank: int, n: int, port: int) -> float:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n,
                             timeout=datetime.timedelta(seconds=60))
@@ -215,7 +230,8 @@ def _released(go: int, delay: float, fn, *args) -> dict:
 def startup(kind: str, n: int, order: str = "in order") -> dict:
     """One start-up of N forked ranks released together, each arriving per ``order``.
 
-    kind: hpct (the backend), raw (the storeless context alone), stock (Gloo + TCPStore).
+    kind: hpct (the backend), raw (the storeless context alone), stock (Gloo + TCPStore),
+    patched (torch's own gloo in hpct's patched torch, HPCT_USE_ROOTLESS=1).
     Returns seconds from the release to the last rank's first all_reduce (``total``) and
     from the last arrival to it (``after_last``: what a late rank costs).
     """
@@ -227,7 +243,7 @@ def startup(kind: str, n: int, order: str = "in order") -> dict:
         fn, extra = stock_rank, (port,)
     else:
         base = free_port_block(8 * n)
-        fn, extra = (raw_rank if kind == "raw" else hpct_rank), (base,)
+        fn, extra = {"raw": raw_rank, "patched": patched_rank}.get(kind, hpct_rank), (base,)
     for r in range(n):
         ranks.fork(r, _released, go_r, delays[r], fn, r, n, *extra)
     os.close(go_r)
@@ -276,6 +292,23 @@ def hpct_recovering_rank(rank, n, base, ready_dir, generation, late=0.0):
     return {"fail": t_fail, "done": done}
 
 
+def patched_recovering_rank(rank, n, base, ready_dir, generation, late=0.0):
+    """A rank of hpct's patched torch: a survivor destroys the world and forms it again in its
+    process (the next generation, on the same ports); the replacement joins at that generation."""
+    time.sleep(late)
+    patched_env(rank, n, base, generation=generation)
+    timeout = datetime.timedelta(seconds=60)
+    dist.init_process_group("gloo", timeout=timeout)
+    t_fail = None
+    if generation == 0:
+        t_fail = loop_until_failure(Path(ready_dir) / f"{rank}")
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", timeout=timeout)
+    done = one_allreduce()
+    quit_barrier()
+    return {"fail": t_fail, "done": done}
+
+
 def stock_recovering_rank(rank, n, ports, ready_dir, generation, op_timeout, late=0.0):
     time.sleep(late)
     timeout = datetime.timedelta(seconds=op_timeout)
@@ -294,20 +327,22 @@ def stock_recovering_rank(rank, n, ports, ready_dir, generation, op_timeout, lat
 
 
 def recovery_in_process(kind: str, n: int, op_timeout: float = 5.0, late: float = 0.0) -> float:
-    """Seconds from the SIGKILL of the last rank to the rebuilt group's first all_reduce (hpct|stock).
+    """Seconds from the SIGKILL of the last rank to the rebuilt group's first all_reduce
+    (hpct|patched|stock).
 
     ``late``: the replacement starts this many seconds after the kill (a spare that is slow
     to come up); the survivors are already waiting for it."""
     victim = n - 1
     with tempfile.TemporaryDirectory() as ready_dir:
         ranks = Ranks(deadline_s=120)
-        if kind == "hpct":
+        if kind in ("hpct", "patched"):
             base = free_port_block(8 * n)
-            fn, extra = hpct_recovering_rank, (base,)
+            fn, extra = (hpct_recovering_rank if kind == "hpct" else patched_recovering_rank), (base,)
+            tail = (0.0,)
         else:
             ports = (free_port(), free_port())
             fn, extra = stock_recovering_rank, (ports,)
-        tail = (0.0,) if kind == "hpct" else (op_timeout, 0.0)
+            tail = (op_timeout, 0.0)
         for r in range(n):
             ranks.fork(r, fn, r, n, *extra, ready_dir, 0, *tail)
         end = time.monotonic() + 60
