@@ -295,8 +295,11 @@ def test_the_nccl_half_is_linked_finds_hpcts_rootless_entry_and_fails_clearly_wi
     base = free_port_block(64)
     common = dict(HPCT_USE_ROOTLESS=1, HPCT_PORT_BASE=base, RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, LOCAL_WORLD_SIZE=1)
     runs = {}
+    # hpct's libnccl in place of the one torch's wheel pins (as its drop-in wheel would be): preloaded,
+    # with the CUDA runtime of the environment that it links.
+    cudart = next(Path(envs["patched"]).parents[1].glob("lib/python3*/site-packages/nvidia/cuda_runtime/lib"))
     for name, preload in (("stock", None), ("hpct", hpct_nccl)):
-        env = _clean_env(**common, **({"LD_PRELOAD": preload} if preload else {}))
+        env = _clean_env(**common, **({"LD_PRELOAD": preload, "LD_LIBRARY_PATH": cudart} if preload else {}))
         proc = subprocess.run([envs["patched"], str(WORKER), "nccl"], capture_output=True, text=True, timeout=120,
                               env=env, cwd="/")
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
