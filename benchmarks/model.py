@@ -25,7 +25,22 @@ OPEN_FILES_DEFAULT = 1024      # the usual soft RLIMIT_NOFILE
 BASE_FDS = 16                  # a rank's descriptors besides its sockets (measured: 8-18)
 NCCL_STAGGER_RANKS = 256       # NCCL's bootstrap root staggers connects beyond this many ranks
 NCCL_CONNECTS_PER_S = 7000     # ... at this rate
-NCCL_RING_ALLGATHERS = 3       # bootstrapInit's ring allgathers (N-1 steps each), stock and hpct alike
+# NCCL init's allgathers, per pin: the bytes each rank adds to each (2.21.5: bootstrapInit's
+# listen, proxy and UDS addresses, then initTransportsRank's peer info and topology (allGather3);
+# 2.30.7: ringAllInfo, peer info, allGather3, the first collective's lazy-connect ring info; the
+# struct sizes as benchmarks/nccl_bootstrap.py's harness reports them), and whether its ring
+# allgather is bidirectional (2.28.9+: N/2 steps, else N-1).  Stock NCCL gathers them over
+# its ring; hpct's rootless comm over the log-depth exchange (issue 60).
+NCCL_INIT_ALLGATHERS = {"2.21.5": ((28, 28, 8, 96, 1220), False), "2.30.7": ((120, 144, 2304, 2), True)}
+NCCL_MODEL_PIN = "2.21.5"      # torch 2.6.0's
+CONNECT_HOPS = 4               # a connect and its handshake: two round trips
+NET_HOP_S = 100e-6             # a cluster network's hop for the second scenario (issue 60: 25-100 us)
+NCCL_BOOTSTRAP_GOAL_S = 0.020  # issue 60: NCCL's bootstrap at 100K ranks with loopback costs ...
+NCCL_BOOTSTRAP_NET_GOAL_S = 0.5   # ... and with a 100 us hop
+STARTUP_GOAL_S = 1.0           # issue 60: the whole hpct start-up to the first collective at 100K
+# The published figure issue 60 compares with: stock NCCL's init at 96K GPUs (Meta's NCCLX paper,
+# arXiv 2510.20171).
+STOCK_NCCL_PUBLISHED = (98304, 265.0, "stock NCCL init at 96K GPUs, published (NCCLX, arXiv 2510.20171)")
 STORE_OPS_PER_RANK = 2         # a rank sets its address, then gets every other rank's: 1 + (N-1) requests
 GLOO_TARGET_S = 5.0            # issue 20 item 4: start-up of a 100K-rank hpct group
 DETECT_HOPS = 0.5              # a failure notice reaches a rank after ~N/2 hops on a ring, log2 N on a tree
@@ -38,9 +53,38 @@ def stock_startup(n: int, c: dict) -> dict:
     mesh = (n - 1) * c["conn_s"]                                        # each rank's connects, ranks in parallel
     first = 2 * (n - 1) * c["hop_s"]                                    # the first ring all_reduce
     root = n * c["conn_s"] + max(0, n - NCCL_STAGGER_RANKS) / NCCL_CONNECTS_PER_S
-    rings = NCCL_RING_ALLGATHERS * (n - 1) * c["hop_s"]
+    rings = nccl_bootstrap(n, c, log=False)["total"]
     gloo = store + mesh + first
     return {"total": gloo + root + rings, "gloo": gloo, "store": store}
+
+
+def log_rounds(n: int) -> int:
+    """ceil(log2 N): rounds of the log-depth exchange (0 for one rank)."""
+    return (max(n, 1) - 1).bit_length()
+
+
+def nccl_bootstrap(n: int, c: dict, log: bool = True) -> dict:
+    """NCCL init's allgathers at N ranks: ``latency`` (connects and hops one after the other),
+    ``bytes`` (what every rank receives, the same for every allgather algorithm) and ``total``.
+
+    log: the exchange forms in ceil(log2 N) rounds (a connect with its handshake, then the
+    next address, one hop) and each allgather takes ceil(log2 N) hops.  Ring: one connect,
+    then N-1 (or N/2) hops per allgather.  c["nccl_pin"] picks the pin (default 2.21.5)."""
+    sizes, bidirectional = NCCL_INIT_ALLGATHERS[c.get("nccl_pin", NCCL_MODEL_PIN)]
+    data = (n - 1) * sum(sizes) * c.get("byte_s", 0.0)
+    if log:
+        k = log_rounds(n)
+        latency = k * (c["conn_s"] + c["hop_s"]) + len(sizes) * k * c["hop_s"]
+    else:
+        steps = n // 2 if bidirectional else n - 1
+        latency = c["conn_s"] + len(sizes) * steps * c["hop_s"]
+    return {"latency": latency, "bytes": data, "total": latency + data}
+
+
+def network_costs(c: dict, hop_s: float = NET_HOP_S) -> dict:
+    """The loopback costs with a network's hop: a connect with its handshake is CONNECT_HOPS
+    hops more; bytes keep the loopback cost (a 100 Gb/s link moves them about as fast)."""
+    return {**c, "hop_s": hop_s, "conn_s": c["conn_s"] + CONNECT_HOPS * (hop_s - c["hop_s"])}
 
 
 def first_allreduce_hops(n: int) -> int:
@@ -54,13 +98,13 @@ def hpct_startup(n: int, c: dict) -> dict:
     """hpct: no store, no root; a group forms on a binomial tree of lazy pairs (log2 N + 1
     connects, 2 log2 N hops); its first all_reduce is recursive doubling, whose partners
     rank ^ 2^k include the tree's (at most log2 N - 1 new connects, one per step, in the
-    worst case); NCCL's ring bootstrap connects one neighbour.
+    worst case); NCCL's rootless bootstrap gathers in log depth (nccl_bootstrap).
     ``gloo`` is the part scale.py measures (formation, first all_reduce)."""
     depth = math.ceil(math.log2(max(n, 2)))
     form = (depth + 1) * c["conn_s"] + 2 * depth * c["hop_s"]
     first = max(depth - 1, 0) * c["conn_s"] + first_allreduce_hops(n) * c["hop_s"]
-    rings = c["conn_s"] + NCCL_RING_ALLGATHERS * (n - 1) * c["hop_s"]
-    return {"total": form + first + rings, "gloo": form + first, "form": form}
+    nccl = nccl_bootstrap(n, c)["total"]
+    return {"total": form + first + nccl, "gloo": form + first, "form": form, "nccl": nccl}
 
 
 def stock_rank0_fds(n: int) -> int:
@@ -137,6 +181,43 @@ def table(ns, c: dict) -> str:
     return "\n".join(lines)
 
 
+def stock_nccl_bootstrap(n: int, c: dict) -> float:
+    """Stock NCCL's bootstrap alone: N connects to the root (staggered beyond 256 ranks), then
+    its ring allgathers.  Its init does more (topology, connections): the published figure is
+    the whole init."""
+    return n * c["conn_s"] + max(0, n - NCCL_STAGGER_RANKS) / NCCL_CONNECTS_PER_S + nccl_bootstrap(n, c, log=False)["total"]
+
+
+def nccl_table(ns, c: dict) -> str:
+    """NCCL's bootstrap: stock's (root and ring), hpct's rootless ring (before issue 60) and its log
+    depth, with the loopback costs and a network's hop, and the whole hpct start-up to the first
+    collective; the published stock figure beside them."""
+    net = network_costs(c)
+    hop = f"{NET_HOP_S * 1e6:.0f} us hop"
+    lines = [f"| N | stock NCCL bootstrap, root + ring, model (s) | hpct rootless ring (s) | hpct log depth: latency "
+             f"+ bytes (s) | hpct log depth, {hop} (s) | hpct start-up to first collective, loopback / {hop} (s) |",
+             "|---" * 6 + "|"]
+    pub_n, pub_s, pub_what = STOCK_NCCL_PUBLISHED
+    for n in sorted(set(ns) | {pub_n}):
+        ring, log, lognet = nccl_bootstrap(n, c, log=False), nccl_bootstrap(n, c), nccl_bootstrap(n, net)
+        stock = f"{stock_nccl_bootstrap(n, c):.1f}" + (f" ({pub_what}: {pub_s:.0f} s)" if n == pub_n else "")
+        lines.append(f"| {n} | {stock} | {ring['total']:.3f} | {log['total']:.4f} = {log['latency']:.4f} + "
+                     f"{log['bytes']:.4f} | {lognet['total']:.4f} | {hpct_startup(n, c)['total']:.3f} / "
+                     f"{hpct_startup(n, net)['total']:.3f} |")
+    return "\n".join(lines)
+
+
+def nccl_goals(n: int, c: dict) -> str:
+    """Issue 60's goals at N, each with what the model gives and whether it is met."""
+    net = network_costs(c)
+    log, lognet, start = nccl_bootstrap(n, c), nccl_bootstrap(n, net), hpct_startup(n, c)["total"]
+    met = lambda v, goal: f"{v * 1e3:.1f} ms (goal <= {goal * 1e3:g} ms: {'met' if v <= goal else 'NOT met'})"
+    return (f"at N = {n}: NCCL's rootless bootstrap with loopback costs {met(log['total'], NCCL_BOOTSTRAP_GOAL_S)}, "
+            f"of which latency {log['latency'] * 1e3:.1f} ms and bytes {log['bytes'] * 1e3:.1f} ms; "
+            f"with a {NET_HOP_S * 1e6:.0f} us hop {met(lognet['total'], NCCL_BOOTSTRAP_NET_GOAL_S)}; "
+            f"hpct start-up to the first collective {met(start, STARTUP_GOAL_S)}")
+
+
 def fit_table(runs: list[dict], c: dict, c_fit: dict) -> str:
     lines = ["| stack | N | measured start-up (s) | model, loopback costs (s) | model, this machine's costs (s) |",
              "|---|---|---|---|---|"]
@@ -210,8 +291,14 @@ def main(argv=None) -> int:
     h = hpct_startup(big, c)
     print(f"hpct at N = {big}: the Gloo group (formation + first all_reduce, both log depth) "
           f"{h['gloo']:.3f} s (target <= {GLOO_TARGET_S:g} s: {'met' if h['gloo'] <= GLOO_TARGET_S else 'NOT met'}); "
-          f"with NCCL bootstrapInit's {NCCL_RING_ALLGATHERS} ring allgathers (N-1 hops each, stock NCCL's, "
-          f"not hpct's) {h['total']:.3f} s")
+          f"with NCCL's rootless bootstrap in log depth {h['total']:.3f} s")
+    if "byte_s" not in c:
+        print("(these inputs have no byte_s: NCCL's bytes are left out; benchmarks/nccl_bootstrap.py measures it)")
+    print()
+    print("NCCL's bootstrap, ring against log depth:\n")
+    print(nccl_table(ns, c))
+    print()
+    print(nccl_goals(big, c))
     print()
     print("Measured against the model (the Gloo part that scale.py measures):\n")
     print(fit_table(doc["runs"], c, c_fit))

@@ -1,24 +1,29 @@
 #!/usr/bin/env python3
-"""Bootstrap time of NCCL (2.21.5, or --nccl 2.30.7): hpct's rootless ring vs NCCL's stock root-based bootstrap.
+"""NCCL's bootstrap (2.21.5, or --nccl 2.30.7), ring against log depth, measured on the CPU and carried to 100K ranks.
 
-For every world size N (default 2, 4, 8, 16, 32, 64) both variants run in the same
-invocation, alternating, on loopback, one forked process per rank, through
-tests/nccl/bootstrap_harness.cc compiled against the *patched* NCCL tree (NCCL's own
-bootstrap.cc, socket.cc, utils.cc, param.cc, debug.cc plus the series' hpct_ring.cc and
-hpct_rootless.cc; no GPU is needed):
+For every world size N (default 64, 256, 1024) each bootstrap runs in the same invocation,
+alternating, on loopback, one forked process per rank, through tests/nccl/bootstrap_harness.cc
+compiled against the *patched* NCCL tree (NCCL's own bootstrap.cc, socket.cc, utils.cc,
+param.cc, debug.cc plus the series' hpct_*.cc; no GPU is needed):
 
-* ``rootless``: every rank calls ncclCommInitRankRootless (identity computed locally,
-  fixed listen port from a free block, ring to the next rank), then bootstrapAllGather;
-* ``stock``: the harness forks the ranks, then calls bootstrapGetUniqueId (NCCL's root
-  thread; forking after it could copy a lock that thread holds) and pipes the handle to
-  every rank, which calls bootstrapInit with it, then bootstrapAllGather.
+* ``log``: every rank calls ncclCommInitRankRootless (identity computed locally, fixed listen
+  port from a free block) and its bootstrap gathers over the log-depth exchange (the default);
+* ``ring``: the same with NCCL_HPCT_BOOTSTRAP=ring: hpct's rootless ring and NCCL's own ring
+  allgathers (what hpct did before issue 60);
+* ``stock`` (on request): the harness forks the ranks, then calls bootstrapGetUniqueId (NCCL's
+  root thread) and pipes the handle to every rank, which calls bootstrapInit with it.
 
-The time for N is the slowest rank's time from the harness's start (before NCCL's
-network init, the forks and the root) to the end of its ring allgather of the rank
-table (which must come back exact); bootstrapInit itself already ran NCCL's three
-allgathers.  The stock variant hands the unique id to the ranks through a pipe, not
-the store or MPI a real job would use.  NCCL staggers its ranks' connections to
-the root only above 128 ranks, so no size here is slowed by that.  Median of --repeat.
+After bootstrapInit (2.21.5: three allgathers; 2.30.7: one) each rank gathers its rank table,
+then the two large allgathers of initTransportsRank at this pin's sizes (peer info and
+allGather3, the topology ranks).  The time for N is the slowest rank's time from the harness's
+launch to the end of those; every rank's gathered bytes must agree.  NCCL's sockets spin on a
+would-block call; N such processes on 2 CPUs take each other's time (64 ranks' ring took 79 s),
+so by default the harness's no-spin shim makes them wait in poll() instead (--spin: not).
+
+From the runs it fits, per N, one connect and one hop on this machine (N ranks sharing its
+CPUs), measures the same costs for one pair of processes (a rank with its own CPU), and
+carries those to 100K ranks in benchmarks/model.py's model, beside stock NCCL's published
+265 s at 96K GPUs (docs/scale.md).
 
 The module also holds what tests/test_nccl_bootstrap.py shares with it: where NCCL's
 source comes from, compiling the harness (cached per series id), running it.
@@ -32,7 +37,6 @@ import json
 import os
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,9 +46,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 HARNESS_SOURCES = ("tests/nccl/bootstrap_harness.cc", "tests/nccl/bootstrap_stubs.cc")
-# The unmodified NCCL files the bootstrap layer needs, plus the series' two new ones.
+HARNESS_HEADERS = ("tests/nccl/payload.h",)
+# The unmodified NCCL files the bootstrap layer needs, plus the series' new ones.
 NCCL_FILES = ("bootstrap.cc", "misc/socket.cc", "misc/utils.cc", "misc/param.cc", "debug.cc",
-              "misc/hpct_ring.cc", "misc/hpct_rootless.cc")
+              "misc/hpct_ring.cc", "misc/hpct_rootless.cc", "misc/hpct_exchange.cc", "misc/hpct_exchange_form.cc",
+              "misc/hpct_bootstrap_log.cc")
 CXXFLAGS = ("-std=c++11", "-O1", "-pthread", "-w")
 
 
@@ -80,6 +86,7 @@ def harness_profile(version: str) -> HarnessProfile:
         raise SourceMissing(f"no bootstrap harness profile for NCCL {version} (have: "
                             f"{', '.join(HARNESS_PROFILES)}); add one to HARNESS_PROFILES in "
                             f"benchmarks/nccl_bootstrap.py") from None
+VERSION_FILE = "nccl-version"          # beside each compiled harness: the pin it was built against
 CACHE_ENV = "HPCT_NCCL_HARNESS_CACHE"   # where compiled harnesses are kept (default: the temp dir)
 COMPILE_TIMEOUT_S = 600
 # Per run: the ring deadline and the harness's kill deadline for silent ranks.  NCCL's
@@ -166,7 +173,7 @@ def harness_binary(tree: Path, series_id: str, repo: Path = REPO, progress=None)
     profile = harness_profile(version)
     cuda = load_manifest(Layout(repo), "nccl", version).extra["cuda"]
     key = hashlib.sha256()
-    for rel in HARNESS_SOURCES:
+    for rel in HARNESS_SOURCES + HARNESS_HEADERS:
         key.update(rel.encode() + b"\0" + (repo / rel).read_bytes() + b"\0")
     key.update(repr((profile, cuda, version)).encode())
     cache = Path(os.environ.get(CACHE_ENV) or Path(tempfile.gettempdir()) / "hpct-nccl-bootstrap")
@@ -199,10 +206,16 @@ def harness_binary(tree: Path, series_id: str, repo: Path = REPO, progress=None)
         if proc.returncode != 0:
             raise RuntimeError(f"compiling the bootstrap harness failed; log: {log}\n"
                                + (proc.stderr.strip()[-3000:]))
+        (binary.parent / VERSION_FILE).write_text(version + "\n")
         os.replace(scratch / "bootstrap_harness", binary)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return binary
+
+
+def harness_version(binary: Path) -> str:
+    """The NCCL version a harness binary was compiled against (harness_binary records it)."""
+    return (Path(binary).parent / VERSION_FILE).read_text().strip()
 
 
 @dataclass
@@ -216,9 +229,16 @@ class HarnessRun:
         return {r["rank"]: r for r in self.ranks}
 
 
-def bootstrap_env(ifname: str = "lo") -> dict:
+BOOTSTRAP_VAR = "NCCL_HPCT_BOOTSTRAP"     # log (the series' default) or ring: how a rootless comm gathers
+
+
+def bootstrap_env(ifname: str = "lo", bootstrap: str | None = None) -> dict:
+    """The harness's environment; ``bootstrap`` sets NCCL_HPCT_BOOTSTRAP (None: the default, log)."""
     env = dict(os.environ, NCCL_SOCKET_IFNAME=ifname, NCCL_DEBUG="WARN")
     env.pop("NCCL_COMM_ID", None)   # a root address from the environment would change stock mode
+    env.pop(BOOTSTRAP_VAR, None)
+    if bootstrap is not None:
+        env[BOOTSTRAP_VAR] = bootstrap
     return env
 
 
@@ -243,35 +263,104 @@ def run_harness(binary: Path, mode: str, nranks: int, *, timeout: float, env: di
     return HarnessRun(proc.returncode, parse_lines(proc.stdout), proc.stderr, time.monotonic() - started)
 
 
-def measure(binary: Path, mode: str, size: int) -> dict | str:
-    """The slowest rank's times, or why the run failed."""
+# What a benchmark rank gathers after bootstrapInit: its rank table (the harness's check), then
+# the two large allgathers of initTransportsRank at this pin's sizes (peer info, topology).
+BENCH_PAYLOADS = "peerinfo,allgather3"
+BYTE_PROBE = 16 << 20        # 2-rank allgathers of this many bytes per rank: the exchange's cost per byte
+BYTE_PROBES = 5
+BOOTSTRAPS = ("log", "ring", "stock")
+
+
+def measure(binary: Path, bootstrap: str, size: int, spin: bool = False) -> dict | str:
+    """One run's slowest rank (launch to the end of its measured allgathers), or why it failed.
+
+    ``bootstrap``: log or ring (rootless, NCCL_HPCT_BOOTSTRAP) or stock (NCCL's root)."""
     from hpct.ports import free_port_block
-    options = {"timeout_ms": RING_TIMEOUT_MS, "kill_ms": KILL_MS}
+    mode = "stock" if bootstrap == "stock" else "rootless"
+    options = {"timeout_ms": RING_TIMEOUT_MS, "kill_ms": KILL_MS, "payload_bytes": BENCH_PAYLOADS,
+               "steps": "allgather", "no_spin": 0 if spin else 1}
     if mode == "rootless":
         options["base_port"] = free_port_block(size)
-    run = run_harness(binary, mode, size, timeout=KILL_MS / 1e3 + 30, **options)
+    env = bootstrap_env(bootstrap=None if bootstrap == "stock" else bootstrap)
+    run = run_harness(binary, mode, size, timeout=KILL_MS / 1e3 + 30, env=env, **options)
     bad = [r for r in run.ranks if r.get("status") != "ok" or not r.get("table_ok")]
     if run.returncode != 0 or len(run.ranks) != size or bad:
         detail = bad[0] if bad else run.stderr.strip()[-1000:]
-        return f"{mode} N={size}: the harness failed (exit {run.returncode}): {detail}"
-    return {"allgather_ms": max(r["launch_allgather_ms"] for r in run.ranks),
-            "init_ms": max(r["launch_init_ms"] for r in run.ranks)}
+        return f"{bootstrap} N={size}: the harness failed (exit {run.returncode}): {detail}"
+    if len({tuple(r["digests"]) for r in run.ranks}) != 1:
+        return f"{bootstrap} N={size}: the ranks gathered different bytes"
+    x = [r["exchange"] for r in run.ranks if r["exchange"]]
+    return {"total_ms": max(r["launch_payload_ms"] for r in run.ranks),
+            "init_ms": max(r["launch_init_ms"] for r in run.ranks),
+            # the forks: when the last rank started, from the harness's launch
+            "spread_ms": max(r["launch_init_ms"] - r["init_ms"] for r in run.ranks),
+            "digests": run.ranks[0]["digests"], "payload_bytes": run.ranks[0]["payload_bytes"],
+            "form_ms": max(e["form_ms"] for e in x) if x else None,
+            "rounds": x[0]["rounds"] if x else None,
+            "opened": max(e["opened"] for e in x) if x else None,
+            "accepted": max(e["accepted"] for e in x) if x else None,
+            "allgathers": x[0]["allgathers"] if x else None,
+            "bytes": max(e["bytes"] for e in x) if x else None}
 
 
-def _ms(value: float | None) -> str:
-    return f"{value:.1f}" if value is not None else "failed"
+def byte_cost(binary: Path) -> float | None:
+    """Seconds per byte received by the exchange: the second of two back-to-back 2-rank allgathers
+    of BYTE_PROBE bytes each (the first one waits for the later rank to arrive); the least of
+    BYTE_PROBES runs, since other jobs on a shared machine only ever add to it."""
+    from hpct.ports import free_port_block
+    best = None
+    for _ in range(BYTE_PROBES):
+        run = run_harness(binary, "rootless", 2, timeout=120, base_port=free_port_block(2), timeout_ms=60000,
+                          payload_bytes=f"{BYTE_PROBE},{BYTE_PROBE}", steps="allgather", no_spin=1,
+                          env=bootstrap_env(bootstrap="log"))
+        if run.returncode == 0 and len(run.ranks) == 2:
+            got = max(r["exchange"]["last_allgather_ms"] for r in run.ranks) / 1e3 / BYTE_PROBE
+            best = got if best is None else min(best, got)
+    return best
+
+
+def reprint(path: str) -> int:
+    """The report of a saved run, from its own rows and costs (the tables change, the data do not)."""
+    import nccl_bootstrap_fit as fit
+    try:
+        doc = json.loads(Path(path).read_text())
+        if doc.get("schema_version") != fit.SCHEMA:
+            raise ValueError(f"schema {doc.get('schema_version')!r}, expected {fit.SCHEMA}")
+        c = {k: v for k, v in doc["costs"].items() if k != "nccl_pin"}
+        text = fit.report(doc["rows"], c, doc["nccl_version"], doc["series_id"], doc.get("repeat", 1),
+                          doc.get("no_spin", True))["text"]
+    except (OSError, ValueError, KeyError) as err:
+        print(f"nccl_bootstrap: cannot report {path}: {err}\n  fix: write it with nccl_bootstrap.py --json PATH",
+              file=sys.stderr)
+        return 2
+    print(text)
+    return 0
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="2,4,8,16,32,64", help="comma list of world sizes")
-    ap.add_argument("--repeat", type=int, default=3, help="runs per size and variant (median)")
-    ap.add_argument("--json", action="store_true", help="print the results as JSON too")
+    ap.add_argument("--sizes", default="64,256,1024", help="comma list of world sizes")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per size and bootstrap (median)")
+    ap.add_argument("--bootstraps", default="log,ring", help=f"comma list of {', '.join(BOOTSTRAPS)}")
+    ap.add_argument("--spin", action="store_true",
+                    help="leave NCCL's sockets spinning (the harness's no-spin shim off; see bootstrap_stubs.cc)")
+    ap.add_argument("--json", metavar="PATH", help="write the results (and the model's inputs) here")
     ap.add_argument("--nccl", default=None, metavar="VERSION",
                     help=f"the NCCL pin to measure (default: third_party/nccl.toml's default; have: "
                          f"{', '.join(HARNESS_PROFILES)})")
+    ap.add_argument("--report", metavar="JSON", help="print the report of an earlier run's --json file; run nothing")
     args = ap.parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    if args.report:
+        return reprint(args.report)
+    try:
+        sizes = [int(s) for s in args.sizes.split(",") if s]
+        bootstraps = [b for b in args.bootstraps.split(",") if b]
+        if not sizes or min(sizes) < 1 or not bootstraps or set(bootstraps) - set(BOOTSTRAPS):
+            raise ValueError
+    except ValueError:
+        print(f"nccl_bootstrap: --sizes needs positive integers and --bootstraps names from "
+              f"{', '.join(BOOTSTRAPS)} (got {args.sizes!r}, {args.bootstraps!r})", file=sys.stderr)
+        return 2
     from hpct.builder.progress import Progress
     progress = Progress()
     if (why := source_missing(version=args.nccl)) is not None:
@@ -285,40 +374,29 @@ def main(argv=None) -> int:
     except (SourceMissing, RuntimeError) as err:
         print(f"nccl_bootstrap: {err}", file=sys.stderr)
         return 2
+    import nccl_bootstrap_fit as fit
+    version = harness_version(binary)
+    progress.step("micro-costs: a connect, a hop, a byte, a store request, a process start")
+    costs = fit.micro_costs(byte_cost(binary))
     rows = []
     for n in sizes:
-        runs: dict[str, list[dict]] = {"rootless": [], "stock": []}
+        runs: dict[str, list] = {b: [] for b in bootstraps}
         for _ in range(args.repeat):
-            for mode in runs:             # alternate, so load drifts hit both variants alike
-                runs[mode].append(measure(binary, mode, n))
-        row: dict = {"n": n, "failures": []}
-        for mode, got in runs.items():
-            good = [g for g in got if isinstance(g, dict)]
-            row["failures"] += [g for g in got if isinstance(g, str)]
-            row[f"{mode}_ms"] = statistics.median(g["allgather_ms"] for g in good) if good else None
-            row[f"{mode}_init_ms"] = statistics.median(g["init_ms"] for g in good) if good else None
-            row[f"{mode}_runs"] = len(good)
-        both = row["stock_ms"] is not None and row["rootless_ms"] is not None
-        row["ratio"] = row["stock_ms"] / row["rootless_ms"] if both else None
-        rows.append(row)
-        for failure in row["failures"]:
-            progress.step(failure)
-        progress.step(f"N={n}: rootless {_ms(row['rootless_ms'])} ms, stock {_ms(row['stock_ms'])} ms")
-    print(f"NCCL {_nccl_manifest(REPO, args.nccl)[1].version} bootstrap on loopback, harness start -> "
-          f"ring allgather done (slowest rank); series {series_id}; {os.cpu_count()} CPUs; median of {args.repeat}")
-    print(f"{'N':>4}  {'rootless [ms]':>14}  {'stock root [ms]':>16}  {'stock/rootless':>14}  runs ok")
-    for r in rows:
-        ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "n/a"
-        print(f"{r['n']:>4}  {_ms(r['rootless_ms']):>14}  {_ms(r['stock_ms']):>16}  {ratio:>14}  "
-              f"{r['rootless_runs']}+{r['stock_runs']} of {2 * args.repeat}")
+            for b in bootstraps:            # alternate, so load drifts hit every bootstrap alike
+                runs[b].append(measure(binary, b, n, args.spin))
+                got = runs[b][-1]
+                progress.step(f"N={n} {b}: " + (f"{got['total_ms']:.0f} ms" if isinstance(got, dict) else got))
+        rows.append(fit.row(n, runs, version))
+    doc = fit.report(rows, costs, version, series_id, args.repeat, not args.spin)
+    print(doc["text"])
     print(f"total benchmark time {time.monotonic() - started:.1f} s")
-    if any(r["failures"] for r in rows):
-        print("failed runs (left out of the medians):\n  " + "\n  ".join(f for r in rows for f in r["failures"]))
     if args.json:
-        print(json.dumps({"schema_version": 1, "nccl_version": _nccl_manifest(REPO, args.nccl)[1].version,
-                          "series_id": series_id, "rows": rows}))
-    return 0
+        tmp = Path(args.json + ".tmp")
+        tmp.write_text(json.dumps({k: v for k, v in doc.items() if k != "text"}, indent=1))
+        os.replace(tmp, args.json)
+    return 0 if all(not r["failures"] for r in rows) else 1
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))   # model.py, nccl_bootstrap_fit.py, scale_costs.py
     sys.exit(main())

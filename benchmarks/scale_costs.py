@@ -1,5 +1,6 @@
-"""Micro-costs on loopback for benchmarks/model.py: one connect, one message hop, one
-store request, one Python + torch start.  Each is the mean of many repetitions."""
+"""Micro-costs on loopback for benchmarks/model.py: one connect, one message hop, one byte
+of a bulk transfer, one store request, one Python + torch start.  Each is the mean of many
+repetitions."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import time
 CONNECTS = 300
 ROUND_TRIPS = 3000
 STORE_OPS = 2000
+BULK_BYTES = 64 << 20          # one bulk transfer: NCCL's init moves ~140 MB per rank at 100K ranks
+BULK_CHUNK = 1 << 20
 
 
 def _echo_server(listener: socket.socket, rounds: int) -> None:
@@ -58,6 +61,39 @@ def connect_and_hop() -> tuple[float, float]:
     return conn, hop
 
 
+def byte_cost() -> float:
+    """Seconds per byte of one large transfer between two processes (sent, received, answered)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    addr = listener.getsockname()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            c, _ = listener.accept()
+            buf, got = bytearray(BULK_CHUNK), 0
+            while got < BULK_BYTES:
+                n = c.recv_into(buf)
+                if n == 0:
+                    break
+                got += n
+            c.sendall(b"k")
+            c.close()
+        finally:
+            os._exit(0)
+    listener.close()
+    try:
+        chunk = b"\xa5" * BULK_CHUNK
+        with socket.create_connection(addr, timeout=30) as s:
+            t = time.perf_counter()
+            for _ in range(BULK_BYTES // BULK_CHUNK):
+                s.sendall(chunk)
+            s.recv(1)
+            return (time.perf_counter() - t) / BULK_BYTES
+    finally:
+        os.waitpid(pid, 0)
+
+
 def store_op() -> float | None:
     try:
         import datetime
@@ -81,4 +117,5 @@ def proc_start() -> float | None:
 
 def micro_costs() -> dict:
     conn, hop = connect_and_hop()
-    return {"conn_s": conn, "hop_s": hop, "store_op_s": store_op(), "proc_start_s": proc_start()}
+    return {"conn_s": conn, "hop_s": hop, "byte_s": byte_cost(), "store_op_s": store_op(),
+            "proc_start_s": proc_start()}

@@ -67,7 +67,13 @@ def test_both_pins_place_one_shared_ring_core(version):
     placed = dict(series.project_files)
     assert placed == {"src/include/hpct_ring.h": PROJECT / "hpct_ring.h",
                       "src/misc/hpct_ring.cc": PROJECT / "hpct_ring.cc",
-                      "src/include/nccl_rootless.h": PROJECT / "nccl_rootless.h"}
+                      "src/include/nccl_rootless.h": PROJECT / "nccl_rootless.h",
+                      "src/include/hpct_exchange.h": PROJECT / "hpct_exchange.h",
+                      "src/include/hpct_exchange_wire.h": PROJECT / "hpct_exchange_wire.h",
+                      "src/misc/hpct_exchange.cc": PROJECT / "hpct_exchange.cc",
+                      "src/misc/hpct_exchange_form.cc": PROJECT / "hpct_exchange_form.cc",
+                      "src/include/hpct_bootstrap_log.h": PROJECT / "hpct_bootstrap_log.h",
+                      "src/misc/hpct_bootstrap_log.cc": PROJECT / "hpct_bootstrap_log.cc"}
     for path in series.paths:
         assert not set(new_files(path)) & set(placed), path.name
     assert series.identity() != _series(VERSIONS[1 - VERSIONS.index(version)]).identity()
@@ -135,7 +141,9 @@ def test_lines_added_to_upstream_files_are_few_and_say_hpct(version):
                 continue
             for hunk in re.split(r"^@@ .*$", m.group(2), flags=re.MULTILINE)[1:]:
                 hunks.append((m.group(1), [ln[1:] for ln in hunk.splitlines() if ln.startswith("+")]))
-    assert 0 < sum(len(lines) for _, lines in hunks) <= 20, hunks
+    # 0001-0004/0005: 18 lines; the log-depth exchange (issue 60) adds its 4 hooks in bootstrap.cc
+    # (an include, the branch in bootstrapInit, the dispatch in bootstrapAllGather, the release).
+    assert 0 < sum(len(lines) for _, lines in hunks) <= 22, hunks
     for name, lines in hunks:
         assert any("hpct" in ln.lower() or "rootless" in ln for ln in lines), (name, lines)
 
@@ -159,11 +167,17 @@ def test_the_public_header_and_the_ring_core_are_new_files(tmp_path, version):
     assert "ncclCommInitRankRootless" in header and "ncclRootlessInfo_t" in header
     core = extract_new_file(layout, m, "src/misc/hpct_ring.cc", tmp_path).read_text()
     assert '#include "hpct_ring.h"' in core and "nccl" not in core.lower().replace("hpct", "")
+    # The exchange is POSIX-only like the ring core: NCCL appears only in its comments.
+    for rel in ("src/misc/hpct_exchange.cc", "src/misc/hpct_exchange_form.cc", "src/include/hpct_exchange_wire.h"):
+        code = extract_new_file(layout, m, rel, tmp_path).read_text()
+        assert "#include" in code and not re.search(r'#include\s+"(?!hpct_)', code), rel
+    glue = extract_new_file(layout, m, "src/misc/hpct_bootstrap_log.cc", tmp_path).read_text()
+    assert "hpctExchangeForm" in glue and "hpctExchangeAllGather" in glue
     with pytest.raises(PatchError) as err:
         extract_new_file(layout, m, "src/init.cc", tmp_path)
     assert f"no patch or project file of nccl {version} adds src/init.cc" in str(err.value)
-    glue = extract_new_file(layout, m, "src/misc/hpct_rootless.cc", tmp_path).read_text()
-    assert "ncclCommInitRankRootless" in glue and "hpctRingForm" in glue
+    rootless = extract_new_file(layout, m, "src/misc/hpct_rootless.cc", tmp_path).read_text()
+    assert "ncclCommInitRankRootless" in rootless and "hpctRingForm" in rootless
 
 
 # ------------------------------------------------------------ the lint and the checks on bad input (CI)
@@ -300,9 +314,10 @@ def test_series_applies_to_the_pin_and_every_touched_file_matches(tmp_path, vers
                    env={"HPCT_NCCL_SOURCE": str(source), "HPCT_NCCL_SOURCES": ""}, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "touched files match touched.sha256" in proc.stderr + proc.stdout
-    assert "placed 3 project files" in proc.stderr + proc.stdout
+    assert "placed 9 project files" in proc.stderr + proc.stdout
     patched = root / "third_party" / "patched" / f"nccl-{version}"
     assert hook in (patched / "src" / "bootstrap.cc").read_text()
+    assert "hpctBootstrapLogAllGather" in (patched / "src" / "bootstrap.cc").read_text()
     for rel, name in (("src/misc/hpct_ring.cc", "hpct_ring.cc"), ("src/include/nccl_rootless.h", "nccl_rootless.h")):
         assert (patched / rel).read_bytes() == (PROJECT / name).read_bytes()
     # A zero-context hunk applied to a tree one line off lands in the wrong place without a

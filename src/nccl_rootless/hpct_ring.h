@@ -24,7 +24,8 @@ typedef enum {
   hpctRingMismatch = 4,     /* a neighbour disagrees on nranks or on who is whose neighbour */
   hpctRingStale = 5,        /* this rank belongs to an older generation than its neighbour */
   hpctRingBadAddress = 6,   /* an address string cannot be parsed or resolved */
-  hpctRingSystem = 7        /* a system call failed */
+  hpctRingSystem = 7,       /* a system call failed */
+  hpctRingPeerFailed = 8    /* a peer failed and said why, or closed its connection (hpct_exchange) */
 } hpctRingStatus;
 
 #define HPCT_RING_MESSAGE_BYTES 1024

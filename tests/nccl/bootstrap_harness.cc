@@ -12,11 +12,14 @@
 // starts), and a rank forked while the mutex was held blocked on it for ever.
 //
 // Each rank then runs bootstrapAllGather of its own rank number (the table must come back
-// exact), a bootstrapSend/Recv across the ring, bootstrapBarrier and bootstrapClose, and
+// exact), allgathers of --payload-bytes sizes (a payload every rank computes for every other,
+// reported as a digest of the whole gathered buffer, so ring and log-depth runs compare byte
+// for byte), a bootstrapSend/Recv across the ring, bootstrapBarrier and bootstrapClose, and
 // reports one JSON line; the parent prints them in rank order (plus lines for ranks that
 // were absent or had to be killed) and exits 0 only when every started rank succeeded.
 // NCCL's WARN lines are captured per rank (NCCL_DEBUG defaults to WARN here).
 #include <errno.h>
+#include <pthread.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -32,7 +35,16 @@
 #include "bootstrap.h"
 #include "comm.h"
 #include "debug.h"
+#include "graph.h"
+#include "hpct_bootstrap_log.h"
 #include "nccl_rootless.h"
+#include "payload.h"
+#include "transport.h"
+
+// bootstrap_stubs.cc: the abort flag of the comm its hpctCommInitRankDev made, and the
+// no-spin switch of its socket shims.
+extern volatile uint32_t* volatile hpctHarnessAbortFlag;
+extern int hpctHarnessNoSpin;
 
 namespace {
 
@@ -46,6 +58,10 @@ struct Args {
   std::vector<std::string> hosts{"127.0.0.1"};
   std::vector<int> ranks;                 // run here; empty: all
   int lateRank = -1, lateMs = 0, missingRank = -1;
+  int abortRank = -1, abortMs = 0, stallRank = -1, stallMs = 0;
+  std::vector<size_t> payloads;            // --payload-bytes: extra allgathers, digests reported
+  bool allSteps = true;                    // --steps allgather: stop after the measured allgather
+  bool noSpin = false;
   int timeoutMs = 30000, retryMs = 0, killMs = -1;
   unsigned long long jobKey = 0x68706374ULL;
   unsigned generation = 0, group = 0;
@@ -120,7 +136,9 @@ std::vector<std::string> split(const std::string& s, char sep) {
           "bootstrap_harness: %s\n"
           "usage: bootstrap_harness --mode rootless|stock --nranks N [--base-port P] [--hosts H0,H1,..]\n"
           "       [--per-host K] [--ranks R0,R1,..] [--late-rank R --late-ms X] [--missing-rank R]\n"
-          "       [--timeout-ms T] [--retry-ms D] [--kill-ms K] [--job-key K] [--generation G] [--group I]\n",
+          "       [--timeout-ms T] [--retry-ms D] [--kill-ms K] [--job-key K] [--generation G] [--group I]\n"
+          "       [--payload-bytes B0,B1,..] [--abort-rank R --abort-ms X] [--stall-rank R --stall-ms X]\n"
+          "       [--steps all|allgather] [--no-spin 0|1]\n",
           why);
   exit(2);
 }
@@ -133,6 +151,20 @@ int intArg(const char* name, const char* value) {
     usage(why.c_str());
   }
   return (int)v;
+}
+
+// The two large allgathers of initTransportsRank, by the sizes this pin gives them: the peer
+// info (struct ncclPeerInfo) and init.cc's allGatherInfo (a graphInfo of 8 ints or floats per
+// algorithm, the topology ranks, and on 2.30 six more ints), so a benchmark gathers what NCCL's
+// init gathers.  Any other token is a number of bytes.
+size_t payloadSize(const std::string& token) {
+  if (token == "peerinfo") return sizeof(struct ncclPeerInfo);
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 30, 0)
+  if (token == "allgather3") return NCCL_NUM_ALGORITHMS * 8 * sizeof(int) + sizeof(struct ncclTopoRanks) + 6 * sizeof(int);
+#else
+  if (token == "allgather3") return NCCL_NUM_ALGORITHMS * 8 * sizeof(int) + sizeof(struct ncclTopoRanks);
+#endif
+  return (size_t)intArg("--payload-bytes", token.c_str());
 }
 
 Args parse(int argc, char** argv) {
@@ -156,6 +188,16 @@ Args parse(int argc, char** argv) {
     else if (k == "--job-key") a.jobKey = (unsigned long long)intArg("--job-key", v);
     else if (k == "--generation") a.generation = (unsigned)intArg("--generation", v);
     else if (k == "--group") a.group = (unsigned)intArg("--group", v);
+    else if (k == "--abort-rank") a.abortRank = intArg("--abort-rank", v);
+    else if (k == "--abort-ms") a.abortMs = intArg("--abort-ms", v);
+    else if (k == "--stall-rank") a.stallRank = intArg("--stall-rank", v);
+    else if (k == "--stall-ms") a.stallMs = intArg("--stall-ms", v);
+    else if (k == "--no-spin") a.noSpin = intArg("--no-spin", v) != 0;
+    else if (k == "--payload-bytes" && v) {
+      for (auto& b : split(v, ',')) a.payloads.push_back(payloadSize(b));
+    } else if (k == "--steps" && v && (std::string(v) == "all" || std::string(v) == "allgather")) {
+      a.allSteps = std::string(v) == "all";
+    }
     else usage(("unknown or incomplete option " + k).c_str());
     i++;
   }
@@ -187,6 +229,31 @@ struct Outcome {
   double initMs = -1, allgatherMs = -1, launchInitMs = -1, launchAllgatherMs = -1, endMs = -1, launchEndMs = -1;
   std::vector<int> table;
   int threadsAtFork = -1;   // the parent's, when it forked this rank; the tests require 1
+  std::vector<std::string> digests;   // one per --payload-bytes size
+  bool exchange = false;              // the comm gathered in log depth
+  hpctExchangeStats stats = {};
+  double abortReturnMs = -1;          // from raising the abort flag to the failed call's return
+  double launchPayloadMs = -1;        // launch to the end of the --payload-bytes allgathers
+};
+
+std::string fnv1aHex(const std::vector<unsigned char>& v) {
+  char buf[20];
+  snprintf(buf, sizeof(buf), "%016llx", (unsigned long long)fnv1a(v.data(), v.size()));
+  return buf;
+}
+
+// --abort-rank: raise the comm's abort flag (as ncclCommRaiseAbortFlag does) at a set time.
+struct Aborter {
+  double atMs = 0, raisedMs = 0;
+  pthread_t thread;
+  bool started = false;
+  static void* run(void* self) {
+    Aborter* a = (Aborter*)self;
+    while (nowMs() < a->atMs || hpctHarnessAbortFlag == NULL) usleep(1000);
+    a->raisedMs = nowMs();
+    __atomic_store_n(hpctHarnessAbortFlag, 1u, __ATOMIC_RELEASE);
+    return NULL;
+  }
 };
 
 // The NCCL WARN texts this rank logged (ncclDebugFile points at a private file).
@@ -209,11 +276,29 @@ std::vector<std::string> warnings(FILE* log) {
   return out;
 }
 
+ncclResult_t runMeasured(const Args& a, int rank, const ncclBootstrapHandle* stockHandle, double startMs,
+                         double launchMs, Outcome* o);
+
 ncclResult_t runSteps(const Args& a, int rank, const ncclBootstrapHandle* stockHandle, double startMs,
                       double launchMs, Outcome* o) {
+  if (rank == a.lateRank && a.lateMs > 0) usleep((useconds_t)a.lateMs * 1000);
+  Aborter aborter;
+  if (rank == a.abortRank) {
+    aborter.atMs = startMs + a.abortMs;
+    aborter.started = pthread_create(&aborter.thread, NULL, Aborter::run, &aborter) == 0;
+  }
+  ncclResult_t res = runMeasured(a, rank, stockHandle, startMs, launchMs, o);
+  if (aborter.started) {
+    pthread_join(aborter.thread, NULL);
+    if (res != ncclSuccess) o->abortReturnMs = nowMs() - aborter.raisedMs;
+  }
+  return res;
+}
+
+ncclResult_t runMeasured(const Args& a, int rank, const ncclBootstrapHandle* stockHandle, double startMs,
+                         double launchMs, Outcome* o) {
   int n = a.nranks;
   ncclComm_t comm = NULL;
-  if (rank == a.lateRank && a.lateMs > 0) usleep((useconds_t)a.lateMs * 1000);
   if (a.mode == "rootless") {
     std::string listen = addressOf(a, rank), next = addressOf(a, (rank + 1) % n);
     ncclRootlessInfo_t info = NCCL_ROOTLESS_INFO_INIT;
@@ -243,6 +328,8 @@ ncclResult_t runSteps(const Args& a, int rank, const ncclBootstrapHandle* stockH
   o->initMs = t - startMs;
   o->launchInitMs = t - launchMs;
 
+  o->exchange = hpctBootstrapLogStats(comm->bootstrap, &o->stats) != 0;
+  if (rank == a.stallRank && a.stallMs > 0) usleep((useconds_t)a.stallMs * 1000);
   o->stage = "allgather";
   o->table.assign(n, -1);
   o->table[rank] = rank;
@@ -255,6 +342,25 @@ ncclResult_t runSteps(const Args& a, int rank, const ncclBootstrapHandle* stockH
   if (!o->tableOk) {
     o->stage = "allgather-check";
     return ncclInternalError;
+  }
+  o->stage = "payload";
+  // Filled before and checked after, so the allgathers run back to back: a rank still filling
+  // would make its peers' allgather wait for it.
+  std::vector<std::vector<unsigned char>> all(a.payloads.size());
+  for (size_t i = 0; i < a.payloads.size(); i++) {
+    size_t size = a.payloads[i];
+    all[i].assign(n * size, 0xEE);
+    fill(&all[i][rank * size], size, rank, (int)i);
+  }
+  for (size_t i = 0; i < a.payloads.size(); i++)
+    NCCLCHECK(bootstrapAllGather(comm->bootstrap, all[i].data(), (int)a.payloads[i]));
+  t = nowMs();
+  o->launchPayloadMs = t - launchMs;
+  if (o->exchange) hpctBootstrapLogStats(comm->bootstrap, &o->stats);
+  for (auto& v : all) o->digests.push_back(fnv1aHex(v));
+  if (!a.allSteps) {   // a benchmark's rank: through; NCCL's spinning sockets would slow the rest
+    o->stage = "done";
+    return ncclSuccess;
   }
 
   o->stage = "sendrecv";   // to the rank half a ring away, so it is no ring neighbour when n > 3
@@ -292,6 +398,22 @@ std::string report(const Args& a, int rank, const Outcome& o, const std::vector<
   s += ", \"threads_at_fork\": " + std::to_string(o.threadsAtFork);
   s += std::string(", \"table_ok\": ") + (o.tableOk ? "true" : "false");
   s += std::string(", \"sendrecv_ok\": ") + (o.sendRecvOk ? "true" : "false");
+  s += ", \"digests\": [";
+  for (size_t i = 0; i < o.digests.size(); i++) s += (i ? ", " : "") + jsonString(o.digests[i]);
+  s += "], \"abort_return_ms\": " + ms(o.abortReturnMs) + ", \"launch_payload_ms\": " + ms(o.launchPayloadMs);
+  s += ", \"payload_bytes\": [";
+  for (size_t i = 0; i < a.payloads.size(); i++) s += (i ? ", " : "") + std::to_string(a.payloads[i]);
+  s += "]";
+  if (o.exchange)
+    s += ", \"exchange\": {\"rounds\": " + std::to_string(o.stats.rounds) + ", \"opened\": " +
+         std::to_string(o.stats.opened) + ", \"accepted\": " + std::to_string(o.stats.accepted) +
+         ", \"attempts\": " + std::to_string(o.stats.connectAttempts) + ", \"refused\": " +
+         std::to_string(o.stats.refusedConnections) + ", \"form_ms\": " + num(o.stats.formMs) +
+         ", \"allgathers\": " + std::to_string(o.stats.allgathers) + ", \"allgather_ms\": " +
+         num(o.stats.allgatherMs) + ", \"last_allgather_ms\": " + num(o.stats.lastAllgatherMs) +
+         ", \"bytes\": " + std::to_string(o.stats.bytesReceived) + "}";
+  else
+    s += ", \"exchange\": null";
   if (!o.tableOk && o.allgatherMs >= 0) {
     s += ", \"table\": [";
     for (size_t i = 0; i < o.table.size() && i < 64; i++) s += (i ? ", " : "") + std::to_string(o.table[i]);
@@ -364,6 +486,7 @@ int main(int argc, char** argv) {
   double launchMs = nowMs();
   Args a = parse(argc, argv);
   setenv("NCCL_DEBUG", "WARN", 0);
+  hpctHarnessNoSpin = a.noSpin;
   signal(SIGPIPE, SIG_IGN);
 
   if (bootstrapNetInit() != ncclSuccess) {

@@ -1,13 +1,18 @@
-// What NCCL's bootstrap layer and the hpct series reference outside the seven files the
-// bootstrap harness compiles (bootstrap.cc, misc/socket.cc, misc/utils.cc, misc/param.cc,
-// debug.cc, misc/hpct_ring.cc, misc/hpct_rootless.cc).  Written for hpct's tests; the
+// What NCCL's bootstrap layer and the hpct series reference outside the files the bootstrap
+// harness compiles (bootstrap.cc, misc/socket.cc, misc/utils.cc, misc/param.cc, debug.cc and
+// the series' misc/hpct_*.cc; NCCL_FILES in benchmarks/nccl_bootstrap.py).  Written for hpct's tests; the
 // harness runs without a GPU, a CUDA runtime or the rest of NCCL.
 //
 // One stub is more than a placeholder: hpctCommInitRankDev stands in for init.cc's comm
 // creation, so that ncclCommInitRankRootless runs for real (argument checks, identity,
 // group bracket, the thread-local hand-over to hpctRootlessAttach) up to bootstrapInit.
+#include <errno.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cuda_runtime_api.h>
 
@@ -43,6 +48,43 @@ const char* cudaGetErrorString(cudaError_t) { return "no CUDA runtime in hpct's 
 }
 
 ncclResult_t ncclCudaLibraryInit(void) { return ncclSuccess; }
+
+// ---- The harness's own: the abort flag of the comm hpctCommInitRankDev made (--abort-rank
+// raises it, as ncclCommRaiseAbortFlag would), and the no-spin switch below.
+volatile uint32_t* volatile hpctHarnessAbortFlag = NULL;
+int hpctHarnessNoSpin = 0;
+
+// ---- --no-spin: NCCL's socket loops retry a non-blocking recv, send or accept at once when it
+// would block.  A rank with its own CPU loses nothing by that; N ranks on 2 CPUs take each
+// other's time, and a ring step then waits for the whole machine's time slice (64 ranks took
+// 79 s here).  With the switch on, a call that would block first waits up to 10 ms in poll()
+// for the socket to be ready, then says "would block" as before: NCCL's code and results are
+// unchanged, only the spinning stops.  These definitions replace libc's in this executable.
+static void hpctWaitReady(int fd, short events, int flags) {
+  if (!hpctHarnessNoSpin || !(flags & MSG_DONTWAIT)) return;
+  int saved = errno;
+  struct pollfd p = {fd, events, 0};
+  poll(&p, 1, 10);
+  errno = saved;
+}
+
+extern "C" {
+ssize_t recv(int fd, void* buf, size_t len, int flags) {
+  ssize_t n = syscall(SYS_recvfrom, fd, buf, len, flags, NULL, NULL);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) hpctWaitReady(fd, POLLIN, flags);
+  return n;
+}
+ssize_t send(int fd, const void* buf, size_t len, int flags) {
+  ssize_t n = syscall(SYS_sendto, fd, buf, len, flags, NULL, 0);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) hpctWaitReady(fd, POLLOUT, flags);
+  return n;
+}
+int accept(int fd, struct sockaddr* addr, socklen_t* len) {
+  int got = (int)syscall(SYS_accept4, fd, addr, len, 0);
+  if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) hpctWaitReady(fd, POLLIN, MSG_DONTWAIT);
+  return got;
+}
+}
 
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 30, 0)
 // 2.30's headers and os/linux.cc refer to these; nothing on the bootstrap path calls them with a GPU.
@@ -126,6 +168,7 @@ ncclResult_t hpctCommInitRankDev(ncclComm_t* newcomm, int nranks, ncclUniqueId c
   comm->abortFlag = abortFlag;
   comm->config.blocking = 1;
   *newcomm = comm;
+  hpctHarnessAbortFlag = abortFlag;
   NCCLCHECK(hpctRootlessAttach(comm));
   if (!comm->hpctRootless.enabled) {
     fprintf(stderr, "bootstrap_stubs: hpctRootlessAttach did not mark the comm rootless\n");
