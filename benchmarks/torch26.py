@@ -9,7 +9,8 @@ parent that already imported torch, so the times are rendezvous, connect and reb
   hpct     the hpct backend (init_process_group("hpct")) on stock torch 2.6.0; recovery is
            hpct.distributed.recover().
 Start-up: release -> the last rank's first all_reduce.  Recovery: SIGKILL of the last rank ->
-every rank's first all_reduce of the rebuilt world (the replacement is forked at the kill).
+every rank's first all_reduce of the rebuilt world (the replacement is forked at the kill); a
+recovery in which a rank never rebuilt its group within the deadline is shown as hung.
 The interpreters come from build/torch26.json (``python tests/torch26.py`` makes both
 environments), or --stock/--patched.
 
@@ -29,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 STATE = REPO / "build" / "torch26.json"
 STACKS = (("stock", "stock"), ("patched", "patched"), ("hpct", "stock"))   # (stack, environment)
-RUN_TIMEOUT_S = 1800
+RUN_TIMEOUT_S = 3600
 
 
 def measure(stack: str, sizes: list[int], repeat: int) -> dict:
@@ -39,9 +40,27 @@ def measure(stack: str, sizes: list[int], repeat: int) -> dict:
     from hpct.demo import measure as m
     out = {"torch": torch.__version__}
     for n in sizes:
-        out[str(n)] = {"startup": [m.startup(stack, n)["total"] for _ in range(repeat)],
-                       "recovery": [m.recovery_in_process(stack, n) for _ in range(repeat)]}
+        recovery = []
+        for _ in range(repeat):
+            try:
+                recovery.append(m.recovery_in_process(stack, n))
+            except TimeoutError:               # a rank never rebuilt its group: no more tries at this size
+                recovery.append(None)
+                break
+        out[str(n)] = {"startup": [m.startup(stack, n)["total"] for _ in range(repeat)], "recovery": recovery}
     return out
+
+
+def _cell(runs: list, base: list | None = None) -> tuple[str, str]:
+    """(median in ms, ratio to stock's median) of the runs that finished; a run that hung says so."""
+    done = [r for r in runs if r is not None]
+    if not done:
+        from hpct.demo.measure import RECOVERY_DEADLINE_S
+        return f"hung (> {RECOVERY_DEADLINE_S} s)", "-"
+    med = statistics.median(done)
+    text = f"{med * 1000:.0f}" + ("" if len(done) == len(runs) else f" ({len(runs) - len(done)} hung)")
+    base_done = [r for r in (base or []) if r is not None]
+    return text, (f"{med / statistics.median(base_done):.3f}" if base_done else "-")
 
 
 def _pythons(args) -> dict:
@@ -79,12 +98,12 @@ def main(argv=None) -> int:
     from hpct.demo.measure import table
     rows = []
     for n in sizes:
-        base = {k: statistics.median(got["stock"][str(n)][k]) for k in ("startup", "recovery")}
+        stock = got["stock"][str(n)]
         for stack, _ in STACKS:
-            med = {k: statistics.median(got[stack][str(n)][k]) for k in ("startup", "recovery")}
-            rows.append([n, f"{stack} ({got[stack]['torch']})", f"{med['startup'] * 1000:.0f}",
-                         f"{med['recovery'] * 1000:.0f}", f"{med['startup'] / base['startup']:.3f}",
-                         f"{med['recovery'] / base['recovery']:.3f}"])
+            runs = got[stack][str(n)]
+            start, start_ratio = _cell(runs["startup"], stock["startup"])
+            recovery, recovery_ratio = _cell(runs["recovery"], stock["recovery"])
+            rows.append([n, f"{stack} ({got[stack]['torch']})", start, recovery, start_ratio, recovery_ratio])
     print(table(["N", "stack", "start-up (ms)", "recovery (ms)", "start-up / stock", "recovery / stock"], rows,
                 f"torch 2.6.0: start-up (release -> last first all_reduce) and in-process recovery (SIGKILL -> "
                 f"every rank's first all_reduce), {os.cpu_count()} CPUs, median of {args.repeat}"))

@@ -186,21 +186,21 @@ def nccl_inputs(layout: Layout, m: Manifest, progress: Progress) -> tuple[Path, 
     pin = m.extra["wheel"]["nccl"]
     dest = layout.cache / f"{pin['package']}-{pin['version']}"
     include, lib = dest / "include", dest / "lib" / "libnccl.so.2"
-    if not (lib.is_file() and (include / "nccl_rootless.h").is_file()):
+    if not (lib.is_file() and (include / "nccl.h").is_file()):
         wheels = layout.cache / "torch-wheels"
         wheel = wheels / pin["file"]
         if not wheel.is_file() and build_cache.reuse_download(pin["file"], pin["sha256"], wheels) is None:
             _pip_download(f"{pin['package']}=={pin['version']}", None, wheels, progress, "torch's NCCL pin")
         _check(wheel, pin["sha256"], f"{pin['package']} {pin['version']}")
         build_cache.keep_download(wheel)
-        from .patches import extract_new_file
         with atomic_dir(dest) as scratch, zipfile.ZipFile(wheel) as z:
             for name, sub in (("nvidia/nccl/lib/libnccl.so.2", "lib"), ("nvidia/nccl/include/nccl.h", "include"),
                               ("nvidia/nccl/include/nccl_net.h", "include")):
                 (scratch / sub).mkdir(parents=True, exist_ok=True)
                 (scratch / sub / Path(name).name).write_bytes(z.read(name))
-            nccl = load_manifest(layout, "nccl", pin["version"])
-            extract_new_file(layout, nccl, "src/include/nccl_rootless.h", scratch / "include")
+    # hpct's header as the NCCL series has it now (written anew every time: the series may change).
+    from .patches import extract_new_file
+    extract_new_file(layout, load_manifest(layout, "nccl", pin["version"]), "src/include/nccl_rootless.h", include)
     return include, lib
 
 

@@ -54,7 +54,8 @@ WHEEL_PART = "wheel"               # patches/pytorch/<v>/wheel: this recipe's ow
 SOURCES = "src/torch_c10d"         # the module's bindings and CMake project
 # The recipe's own code decides the output too: its files are part of the cache key.
 _RECIPE_FILES = ("hpct/builder/torch_wheel.py", "hpct/builder/torch_inputs.py", "hpct/builder/wheelzip.py",
-                 "build_scripts/gloo.cmake", "build_scripts/compiler_cache.cmake")
+                 "build_scripts/gloo.cmake", "build_scripts/compiler_cache.cmake",
+                 "src/nccl_rootless/nccl_rootless.h")   # the NCCL series' header the module compiles with
 # Where the installed module finds torch/lib and the NVIDIA wheels' libraries (libtorch_cuda's own way).
 RUNPATH = "$ORIGIN/lib:$ORIGIN/../nvidia/cuda_runtime/lib:$ORIGIN/../nvidia/nccl/lib"
 # Libraries any Linux provides; the module's other needs must be met by what the wheel brings.

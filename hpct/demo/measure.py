@@ -259,6 +259,8 @@ def startup(kind: str, n: int, order: str = "in order") -> dict:
 
 # ---- recovery ----
 
+RECOVERY_DEADLINE_S = 120        # every rank of a recovery reports by then, or the run counts as hung
+
 def loop_until_failure(ready: Path) -> float:
     t = torch.ones(1)
     ready.write_text("")
@@ -334,7 +336,7 @@ def recovery_in_process(kind: str, n: int, op_timeout: float = 5.0, late: float 
     to come up); the survivors are already waiting for it."""
     victim = n - 1
     with tempfile.TemporaryDirectory() as ready_dir:
-        ranks = Ranks(deadline_s=120)
+        ranks = Ranks(deadline_s=RECOVERY_DEADLINE_S)
         if kind in ("hpct", "patched"):
             base = free_port_block(8 * n)
             fn, extra = (hpct_recovering_rank if kind == "hpct" else patched_recovering_rank), (base,)
