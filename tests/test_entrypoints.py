@@ -136,8 +136,11 @@ def test_readme_command_1_main_job(fresh_clone):
     assert "bit-identical after recovery: yes" in proc.stdout
     assert "survivors kept their processes: yes" in proc.stdout
     for row in ("start-up: process start -> first all_reduce", "recovery: SIGKILL -> first all_reduce",
-                "stock full restart"):
+                "failure -> training resumed (stock: full restart of all processes)"):
         assert row in proc.stdout, proc.stdout[-4000:]
+    # It trains under hpct run, whose replacement is forked (warm), and says so.
+    assert "launcher: `hpct run --nproc-per-node 4`" in proc.stdout
+    assert "the replacement forked from the node's fork server" in proc.stdout, proc.stdout[-4000:]
 
 
 @pytest.mark.slow
