@@ -62,8 +62,11 @@ if ! have_torch; then
          >"$log" 2>&1; then
       tried=ok
     else
-      echo "ci/setup.sh: PyTorch's CPU index ($CPU_INDEX) did not serve torch==$TORCH_VERSION" \
-           "($(grep -v '^ *$' "$log" | tail -n 1)): installing PyPI's build, the CUDA one (about 2.5 GB; it runs on a CPU)"
+      why=$(grep -o "Failed to establish a new connection: [^')]*\|No matching distribution found for [^ ]*" "$log" \
+            | head -n 1 || true)
+      [ -n "$why" ] || why=$(grep -v '^ *$' "$log" | tail -n 1)
+      echo "ci/setup.sh: PyTorch's CPU index ($CPU_INDEX) did not serve torch==$TORCH_VERSION ($why):" \
+           "installing PyPI's build, the CUDA one (about 2.5 GB; it runs on a CPU)"
     fi
     rm -f "$log"
   fi
