@@ -107,7 +107,8 @@ class Job:
             flags = ["--nnodes", str(self.nodes), "--nproc-per-node", str(self.nproc), "--standby", str(self.standby),
                      "--spare-nodes", str(self.spares), "--rdzv-id", "goodput",
                      "--hosts", ",".join(n.address for n in self.ns[:every])]
-            flags += [] if self.args.no_fork_server else ["--fork-server"]
+            # Both ways explicit: the fork server is hpct run's default, --no-fork-server the way out.
+            flags += ["--no-fork-server" if self.args.no_fork_server else "--fork-server"]
             env["HPCT_CONNECT_TIMEOUT"] = "30"
             self.agents = Agents(self.tmp, [*flags, *self.script], nodes=every, namespaces=self.ns, env=env)
             self.agents.start()

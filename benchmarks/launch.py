@@ -3,11 +3,17 @@
 
 examples/ddp.py (``--step-time`` seconds of simulated compute per step) runs under three
 launchers, in the same invocation, and the last rank is SIGKILLed once it has completed
-``--kill-step`` steps (it writes ``OUT/progress-<rank>`` after each step):
+``--kill-step`` steps (it writes ``OUT/progress-<rank>`` after each step), or, with
+``--kill-after-first-step S``, S seconds after every rank has completed its first step (a fault
+in the job's first seconds, before a standby could be warm):
 
-* ``hpct run``: the node's agent starts a replacement (a cold Python: it imports torch), the
-  survivors recover in-process at the next generation and nobody else restarts;
-* ``hpct run --standby 1``: the same, the replacement is a warm standby (torch imported);
+* ``hpct run``: the node's agent forks a replacement from the node's fork server (its default:
+  torch imported once per node), the survivors recover in-process at the next generation and
+  nobody else restarts;
+* ``hpct run --no-fork-server`` (``--launchers hpct-spawn``): the same, the replacement a cold
+  Python that imports torch itself;
+* ``hpct run --no-fork-server --standby 1``: the replacement is a warm standby (torch imported),
+  once one is warm (a node starts its standbys after its workers' world formed);
 * ``hpct run``, a node lost (``--launchers hpct-node``, N >= 3: a majority must survive): the
   last node's agent and workers are SIGKILLed together; the survivors' agents drop it after
   ``--node-grace`` seconds of silence and their workers shrink in-process.  Reported: the first
@@ -61,14 +67,17 @@ SUBNET = "10.237.0"
 TAG_VAR = "BENCH_LAUNCH_TAG"        # marks every process a run starts (killed by it in finally)
 LAUNCHERS = {
     "hpct": "hpct run",
-    "hpct-standby": "hpct run --standby 1",
+    "hpct-spawn": "hpct run --no-fork-server",
+    "hpct-standby": "hpct run --no-fork-server --standby 1",
     "torchrun": "torchrun --max-restarts 1",
     "hpct-node": "hpct run, a node lost",
     "hpct-spare": "hpct run --spare-nodes 1, a node lost",
 }
 DEFAULT_LAUNCHERS = "hpct,hpct-standby,torchrun"
 NODE_LOSS = ("hpct-node", "hpct-spare")  # not a worker loss: no torchrun ratio (a static torchrun job ends)
-GOAL = "with a standby, worker loss -> next step >= 10x faster than torchrun's restart and under 1 s"
+GOAL = "hpct run (its default), worker loss -> next step >= 10x faster than torchrun's restart and under 1 s"
+EARLY_GOAL = "a worker killed {s:g} s after the job's first completed step: every rank on its next step within 1 s"
+EARLY_GOAL_S = 1.0
 
 
 # ---- processes -------------------------------------------------------------------------------
@@ -123,6 +132,19 @@ def _wait_progress(out: Path, rank: int, step: int, deadline: float, alive, what
         time.sleep(0.005)
 
 
+def _wait_first_steps(out: Path, world: int, delay: float, deadline: float, alive, what: str) -> None:
+    """Wait until every rank has completed its first step (the job's first completed step), then
+    ``delay`` seconds more."""
+    from launch_cluster import progress
+    while not all(progress(out, r) >= 1 for r in range(world)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: the job's first step was not completed in time")
+        if not alive():
+            raise RuntimeError(f"{what}: a launcher exited before the job's first step")
+        time.sleep(0.005)
+    time.sleep(delay)
+
+
 def _kill(out: Path, world: int, pid: int, *others: int) -> tuple[float, dict[int, int]]:
     """SIGKILL ``pid`` (and ``others`` that are still there); returns the kill time (time.time(),
     taken right before os.kill) and every rank's completed steps read just before."""
@@ -169,7 +191,7 @@ def analyse(out: Path, world: int, t_kill: float, before: dict[int, int], pids: 
 # ---- one run ---------------------------------------------------------------------------------
 
 def run_hpct(tmp: Path, nodes: int, nproc: int, standby: int, args, ns, tag: str, node_loss: bool = False,
-             spares: int = 0) -> dict:
+             spares: int = 0, fork_server: bool = True) -> dict:
     from launch_cluster import Agents
     from hpct.ports import free_port_block
     world, victim = nodes * nproc, nodes * nproc - 1
@@ -180,20 +202,24 @@ def run_hpct(tmp: Path, nodes: int, nproc: int, standby: int, args, ns, tag: str
     script = [str(EXAMPLE), "--steps", str(args.steps), "--step-time", str(args.step_time), "--out", str(out)]
     flags = ["--nnodes", str(nodes), "--nproc-per-node", str(nproc), "--standby", str(standby), "--rdzv-id", "bench",
              "--node-grace", str(args.node_grace), "--spare-nodes", str(spares)]
+    flags += [] if fork_server else ["--no-fork-server"]
     if ns:
         flags += ["--hosts", ",".join(n.address for n in ns[:nodes + spares])]
     else:
         flags += ["--port-base", str(free_port_block(2 * 8 * nproc + 2))]
     env = {"OMP_NUM_THREADS": "1", TAG_VAR: tag, "HPCT_CONNECT_TIMEOUT": str(int(args.timeout))}
     deadline = time.monotonic() + args.timeout
-    what = f"hpct{' --standby ' + str(standby) if standby else ''} {nodes}x{nproc}"
+    what = f"hpct{'' if fork_server else ' --no-fork-server'}{' --standby ' + str(standby) if standby else ''} " \
+           f"{nodes}x{nproc}"
     with Agents(tmp, [*flags, *script], nodes=nodes + spares, namespaces=ns, env=env) as agents:
         try:
             agents.start()
             alive = lambda: all(p.poll() is None for p in agents.procs)   # noqa: E731
             from launch_cluster import progress
+            early = args.kill_after_first_step is not None
             for n in range(nodes + spares):
-                ready = nproc if n >= nodes else standby     # a spare keeps one standby per local rank
+                # A spare keeps one standby per local rank; with a fork server, none (its workers are forked).
+                ready = 0 if fork_server or early else nproc if n >= nodes else standby
                 while len(agents.events(n, "standby")) < ready:
                     if agents.procs[n].poll() is not None:  # a short job ends before its standbys are warm
                         raise RuntimeError(f"{what}: rank {victim} finished its {progress(out, victim)} steps before "
@@ -203,7 +229,10 @@ def run_hpct(tmp: Path, nodes: int, nproc: int, standby: int, args, ns, tag: str
                         raise TimeoutError(f"{what}: node {n} had no {ready} standbys warm within --timeout "
                                            f"{args.timeout:g} s:\n{agents.output(n)[-3000:]}")
                     time.sleep(0.02)
-            _wait_progress(out, victim, args.kill_step, deadline, alive, what)
+            if early:
+                _wait_first_steps(out, world, args.kill_after_first_step, deadline, alive, what)
+            else:
+                _wait_progress(out, victim, args.kill_step, deadline, alive, what)
             if (at := progress(out, victim)) >= args.steps - 2:
                 # standbys start once the world formed and warm for seconds: the job must outlast that
                 raise RuntimeError(f"{what}: rank {victim} was at step {at} of {args.steps} once the standbys were "
@@ -240,11 +269,18 @@ def run_hpct(tmp: Path, nodes: int, nproc: int, standby: int, args, ns, tag: str
         if spares:
             taken = agents.events(nodes, "start")
             res["spare_warm"] = [bool(e.get("warm")) for e in taken]
+            res["spare_started"] = [_how(e) for e in taken]
         return res
     res = analyse(out, world, t_kill, before, pids)
     replacements = [e for n in range(nodes) for e in agents.events(n, "start") if e["generation"] > 0]
     res["warm"] = [bool(e.get("warm")) for e in replacements]
+    res["started"] = [_how(e) for e in replacements]
     return res
+
+
+def _how(start: dict) -> str:
+    """How hpct run started a process: forked, warm (a standby) or cold (its start event's why)."""
+    return start["why"].split(":")[0]
 
 
 def run_torchrun(tmp: Path, nodes: int, nproc: int, args, ns, tag: str) -> dict:
@@ -279,7 +315,10 @@ def run_torchrun(tmp: Path, nodes: int, nproc: int, args, ns, tag: str) -> dict:
                 procs.append(ns[n].popen([*argv, *script], **kw) if ns else
                              subprocess.Popen([*argv, *script], **kw))
         alive = lambda: all(p.poll() is None for p in procs)   # noqa: E731
-        _wait_progress(out, victim, args.kill_step, deadline, alive, what)
+        if args.kill_after_first_step is not None:
+            _wait_first_steps(out, world, args.kill_after_first_step, deadline, alive, what)
+        else:
+            _wait_progress(out, victim, args.kill_step, deadline, alive, what)
         pids: dict[int, int] = {}
         for pid in _descendants([p.pid for p in procs]):
             e = _environ(pid)
@@ -325,7 +364,8 @@ def run_once(launcher: str, nodes: int, nproc: int, args, ns) -> dict:
             run.update(run_hpct(tmp, nodes, nproc, 0, args, ns, tag, node_loss=True,
                                 spares=int(launcher == "hpct-spare")))
         else:
-            run.update(run_hpct(tmp, nodes, nproc, int(launcher == "hpct-standby"), args, ns, tag))
+            run.update(run_hpct(tmp, nodes, nproc, int(launcher == "hpct-standby"), args, ns, tag,
+                                fork_server=launcher == "hpct"))
     except (TimeoutError, RuntimeError, OSError, KeyError, ValueError) as err:
         run["error"] = str(err).strip()
     finally:
@@ -351,7 +391,8 @@ def summarise(runs: list[dict]) -> dict:
         return {"recovery_s": None, "steps_lost": None, "restarted": None, "completed": 0}
     return {"recovery_s": round(statistics.median(r["recovery_s"] for r in ok), 4),
             "steps_lost": statistics.median(r["steps_lost"] for r in ok),
-            "restarted": max(len(r["restarted"]) for r in ok), "completed": len(ok)}
+            "restarted": max(len(r["restarted"]) for r in ok), "completed": len(ok),
+            "started": "/".join(sorted({how for r in ok for how in r.get("started", [])})) or "-"}
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
@@ -363,27 +404,25 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 
 def render(configs: list[dict], args) -> str:
     rows, goals = [], []
+    early = args.kill_after_first_step is not None
     num = lambda v, f: "-" if v is None else format(v, f)   # noqa: E731
     for c in configs:
         stock = c["median"].get("torchrun", {}).get("recovery_s")
         for launcher, s in c["median"].items():
             ratio = c["ratio"].get(launcher)
             rows.append([c["config"], LAUNCHERS[launcher], num(s["recovery_s"], ".3f"),
-                         num(s["steps_lost"], "g"), num(s["restarted"], "d"),
+                         num(s["steps_lost"], "g"), num(s["restarted"], "d"), s.get("started", "-"),
                          "-" if ratio is None else f"{ratio:.1f}x", f"{s['completed']}/{args.repeat}"])
-        warm = c["median"].get("hpct-standby", {}).get("recovery_s")
         if set(c["median"]) <= set(NODE_LOSS):
             continue                          # the goal is a worker loss's; a node loss has none
-        if warm is None or stock is None:
-            goals.append(f"  {c['config']}: not measured (needs hpct-standby and torchrun runs that completed)")
-        else:
-            met = stock / warm >= 10 and warm < 1.0
-            goals.append(f"  {c['config']}: {warm:.3f} s, {stock / warm:.1f}x faster than torchrun's restart "
-                         f"({stock:.3f} s): {'met' if met else 'NOT met'}")
-    title = (f"Worker loss: SIGKILL of the last rank after step {args.kill_step} -> first step completed by "
+        goals.append(_goal(c, stock, early))
+    when = (f"{args.kill_after_first_step:g} s after every rank's first completed step" if early
+            else f"after step {args.kill_step}")
+    title = (f"Worker loss: SIGKILL of the last rank {when} -> first step completed by "
              f"every rank after it, max over ranks (examples/ddp.py, --steps {args.steps}, --step-time "
              f"{args.step_time:g}; {os.cpu_count()} CPUs, torch {_torch_version()}, median of {args.repeat})")
-    head = ["config", "launcher", "recovery (s)", "steps lost", "ranks restarted", "torchrun/this", "runs ok"]
+    head = ["config", "launcher", "recovery (s)", "steps lost", "ranks restarted", "replacement", "torchrun/this",
+            "runs ok"]
     note = ("torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (its restart fails with the shared store: "
             "pytorch/pytorch#135712)")
     for c in configs:
@@ -394,7 +433,18 @@ def render(configs: list[dict], args) -> str:
                          f"node's agent and workers SIGKILLed; the survivors' agents dropped it {r['dropped_s']:.3f} s "
                          f"after the kill ({r['how']}); {world}'s first step {r['recovery_s']:.3f} s after the kill "
                          f"({r['recovery_s'] - r['dropped_s']:.3f} s after the drop)")
-    return "\n".join([title, "", table(head, rows), "", note, "", f"goal: {GOAL}", *goals])
+    goal = EARLY_GOAL.format(s=args.kill_after_first_step) if early else GOAL
+    return "\n".join([title, "", table(head, rows), "", note, "", f"goal: {goal}", *goals])
+
+
+def _goal(c: dict, stock: float | None, early: bool) -> str:
+    """The goal's verdict for one configuration, judged on hpct run's default (the "hpct" runs)."""
+    warm = c["median"].get("hpct", {}).get("recovery_s")
+    if warm is None or stock is None:
+        return f"  {c['config']}: not measured (needs hpct and torchrun runs that completed)"
+    met = warm < EARLY_GOAL_S if early else stock / warm >= 10 and warm < 1.0
+    return (f"  {c['config']}: {warm:.3f} s, {stock / warm:.1f}x faster than torchrun's restart "
+            f"({stock:.3f} s): {'met' if met else 'NOT met'}")
 
 
 def _torch_version() -> str:
@@ -421,15 +471,22 @@ def main(argv=None) -> int:
     ap.add_argument("--node-grace", type=float, default=1.0,
                     help="hpct run --node-grace: seconds of silence that make a node lost (hpct-node runs)")
     ap.add_argument("--kill-step", type=int, default=20, help="the last rank is killed after this many steps")
+    ap.add_argument("--kill-after-first-step", type=float, default=None, metavar="S",
+                    help="kill the last rank S seconds after every rank completed its first step instead "
+                    "(a fault in the job's first seconds: no standby is waited for)")
     ap.add_argument("--steps", type=int, default=None, help="steps of the run (default: kill step + 150: "
-                    "hpct's standbys start once the world formed and must be warm before the kill)")
+                    "hpct's standbys start once the world formed and must be warm before the kill; with "
+                    "--kill-after-first-step, 60)")
     ap.add_argument("--step-time", type=float, default=0.05, help="seconds of simulated compute per step")
     ap.add_argument("--repeat", type=int, default=1, help="runs per configuration and launcher (median)")
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per run, start to end")
     ap.add_argument("--keep", action="store_true", help="keep every run's folder (logs, records); failed runs' always")
     ap.add_argument("--json", help="also write every run and the medians to this file")
     args = ap.parse_args(argv)
-    args.steps = args.steps if args.steps is not None else args.kill_step + 150
+    if args.kill_after_first_step is not None and args.kill_after_first_step < 0:
+        raise SystemExit(f"--kill-after-first-step {args.kill_after_first_step:g} is negative")
+    default_steps = 60 if args.kill_after_first_step is not None else args.kill_step + 150
+    args.steps = args.steps if args.steps is not None else default_steps
     args.run_index = 0
     configs = [_config(c) for c in args.config.split(",") if c]
     launchers = [x for x in args.launchers.split(",") if x]
@@ -466,7 +523,8 @@ def main(argv=None) -> int:
     print(render(results, args))
     print(f"total benchmark time {time.monotonic() - started:.1f} s")
     if args.json:
-        doc = {"schema": 1, "benchmark": "launch", "goal": GOAL,
+        goal = GOAL if args.kill_after_first_step is None else EARLY_GOAL.format(s=args.kill_after_first_step)
+        doc = {"schema": 1, "benchmark": "launch", "goal": goal, "kill_after_first_step": args.kill_after_first_step,
                "machine": {"cpus": os.cpu_count(), "torch": _torch_version(), "date": time.strftime("%Y-%m-%d")},
                "kill_step": args.kill_step, "steps": args.steps, "step_time": args.step_time,
                "repeat": args.repeat, "configs": results}

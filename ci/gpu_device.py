@@ -60,6 +60,9 @@ PHASES["held"] = [_T + "test_a_blocking_launch_held_by_a_silent_peer_is_ended_at
 # the DDP step and the recovery breakdown (under MPS, as the issue's tables).
 PHASES["faults"] = [_T + "test_a_captured_all_reduce_replays_and_the_engine_shuts_down_within_seconds",
                     _T + "test_a_failed_init_frees_its_slot_for_the_next_generation"] + PHASES["held"]
+# Issue 59: hpct run forks its workers by default; a forked worker's first CUDA op (no MPS needed).
+PHASES["forked"] = [_T + "test_hpct_run_forks_workers_whose_first_cuda_op_runs_and_replaces_a_killed_rank_forked"]
+PHASES["faults"] += PHASES["forked"]
 PHASES["speed"] = [_T + "test_ddp_step_table_against_stock", _T + "test_recovery_breakdown_table",
                    _T + "test_launch_overhead_table[4]", _T + "test_launch_overhead_table[2]"]
 PHASES["all"] = PHASES["smoke"] + PHASES["proof"]

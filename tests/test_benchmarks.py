@@ -106,20 +106,22 @@ def test_profile_comm_benchmark_reports_overhead_and_accuracy():
 
 @pytest.mark.slow
 def test_launch_replaces_one_worker_in_place_where_torchrun_restarts_all(tmp_path):
+    """The early kill (0.5 s after the job's first completed step): hpct run forks the replacement
+    from its fork server (its default), torchrun restarts every worker."""
     out = tmp_path / "launch.json"
-    # 200 steps: hpct's standby starts once the world formed, and the kill waits until it is warm
-    text = _run("launch.py", "--config", "1x2", "--kill-step", "3", "--steps", "200",
-                "--launchers", "hpct-standby,torchrun", "--json", str(out))
+    text = _run("launch.py", "--config", "1x2", "--kill-after-first-step", "0.5", "--steps", "40",
+                "--launchers", "hpct,torchrun", "--json", str(out))
     doc = json.loads(out.read_text())
-    assert doc["schema"] == 1 and doc["configs"][0]["config"] == "1x2"
+    assert doc["schema"] == 1 and doc["configs"][0]["config"] == "1x2" and doc["kill_after_first_step"] == 0.5
     runs = {r["launcher"]: r for r in doc["configs"][0]["runs"]}
-    hp, tr = runs["hpct-standby"], runs["torchrun"]
+    hp, tr = runs["hpct"], runs["torchrun"]
     assert hp["error"] is None and tr["error"] is None, runs
-    assert hp["restarted"] == [1] and hp["warm"] == [True], hp      # only the killed rank, from the standby
-    assert hp["steps_lost"] <= 1 and hp["recovery_s"] > 0, hp       # survivors kept their steps
-    assert tr["restarted"] == [0, 1] and tr["steps_lost"] >= 3, tr  # everyone again from step 0
-    assert re.search(r"^\| 1x2 +\| torchrun --max-restarts 1 +\|", text, re.MULTILINE), text
-    assert "goal: with a standby, worker loss -> next step" in text, text
+    assert hp["restarted"] == [1] and hp["started"] == ["forked"], hp     # only the killed rank, forked
+    assert hp["steps_lost"] <= 1 and hp["recovery_s"] > 0, hp             # survivors kept their steps
+    assert tr["restarted"] == [0, 1] and tr["steps_lost"] >= 1, tr        # everyone again from step 0
+    assert re.search(r"^\| 1x2 +\| hpct run +\| +[0-9.]+ \| .* \| +forked \|", text, re.MULTILINE), text
+    assert "SIGKILL of the last rank 0.5 s after every rank's first completed step" in text, text
+    assert "goal: a worker killed 0.5 s after the job's first completed step: every rank on its next step" in text
 
 
 def test_launch_refuses_a_kill_that_lands_after_the_jobs_last_step():
@@ -150,8 +152,9 @@ def test_launch_node_loss_shrinks_the_survivors_in_place_or_a_spare_takes_the_sl
         assert run["steps_lost"] == 0 and 0 < run["dropped_s"] <= run["recovery_s"], run
         assert "node 2 " in run["how"], run
     assert shrink["restarted"] == [], shrink        # the survivors kept their processes
-    # The spare's worker holds the lost rank 2 (a new process, from a warm standby); the survivors kept theirs.
-    assert spare["restarted"] == [2] and spare["spare_warm"] == [True], spare
+    # The spare's worker holds the lost rank 2 (a new process, forked from the spare's fork server); the
+    # survivors kept theirs.
+    assert spare["restarted"] == [2] and spare["spare_started"] == ["forked"], spare
     assert "node 3 takes its slot" in spare["how"], spare
     assert re.search(r"^3x1, hpct run, a node lost \(--node-grace 1\): .* dropped it [0-9.]+ s after the kill", text,
                      re.MULTILINE), text

@@ -228,7 +228,8 @@ def test_dockerignore_sends_what_the_build_reads_and_nothing_else(repo):
     assert pats[0] == (False, "*"), "an allow-list: everything is excluded first"
     tracked = subprocess.run(["git", "ls-files"], cwd=repo, capture_output=True, text=True,
                              timeout=60, check=True).stdout.split()
-    needed = ["pyproject.toml", "CMakeLists.txt", "README.md", "ci/setup.sh", "build_scripts/gloo.cmake",
+    needed = ["pyproject.toml", "CMakeLists.txt", "README.md", "ci/setup.sh", "ci/python.sh",
+              "build_scripts/gloo.cmake",
               "build_scripts/compiler_cache.cmake",
               "third_party/gloo.toml", "patches/gloo/5354032/series",
               *[f for f in tracked if f.startswith(("hpct/", "src/"))]]

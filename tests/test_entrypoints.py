@@ -96,7 +96,83 @@ def test_ci_honours_python_and_refuses_an_os_managed_one(tmp_path):
     proc = python_sh("hpct_pick_python", {"PYTHON": "/usr/bin/python3"})
     assert proc.returncode == 1
     assert "/usr/bin/python3 is managed by the OS" in proc.stderr
-    assert "fix: python3 -m venv ~/hpct-venv && PYTHON=~/hpct-venv/bin/python bash" in proc.stderr
+    assert "fix: unset PYTHON (the ci scripts then make and use the checkout's .venv), or python3 -m venv " \
+           "~/hpct-venv && PYTHON=~/hpct-venv/bin/python bash" in proc.stderr
+
+
+BARE_PATH = "/usr/local/bin:/usr/bin:/bin"      # a fresh Debian 12 box's: no pyenv, no venv
+
+
+def debian_python3() -> bool:
+    """Whether /usr/bin/python3 is the OS's, refusing pip installs (PEP 668), and no other python3 is
+    on BARE_PATH: the fresh Debian 12 box of the README."""
+    return (Path("/usr/bin/python3").exists() and shutil.which("python3", path=BARE_PATH) == "/usr/bin/python3"
+            and subprocess.run(["/usr/bin/python3", "-c", "import sys, sysconfig, os; sys.exit(not os.path.exists("
+                                "os.path.join(sysconfig.get_path('stdlib'), 'EXTERNALLY-MANAGED')))"],
+                               timeout=60).returncode == 0)
+
+
+def shallow_clone(dest: Path) -> Path:
+    """A clone of the committed HEAD (python.sh as committed, no .venv, nothing built)."""
+    subprocess.run(["git", "clone", "--quiet", "--depth", "1", f"file://{REPO}", str(dest)], check=True, timeout=120)
+    return dest
+
+
+def pick_bare(clone: Path, home: Path, extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {"HOME": str(home), "PATH": BARE_PATH, **(extra or {})}
+    argv = ["env", "-i", *(f"{k}={v}" for k, v in env.items()), "bash", "-c",
+            "set -euo pipefail; . ci/python.sh; hpct_pick_python; echo \"$PYTHON\""]
+    return subprocess.run(argv, cwd=clone, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.unit
+def test_a_fresh_clone_on_a_bare_debian_shell_makes_its_own_venv_and_reuses_it(tmp_path):
+    """README's two commands on a fresh Debian 12 box, whose only python3 is Debian's (PEP 668): from
+    a fresh clone, in `env -i HOME=<empty> PATH=/usr/local/bin:/usr/bin:/bin` (no pyenv on PATH or
+    under HOME, no venv), the ci scripts' selection makes the checkout's .venv from that python3 and
+    the next run reuses it; an active venv still wins.  Installing torch and the build into it is
+    ci/setup.sh's (README command 1 was run so by hand: docs/launch.md has its output)."""
+    if not debian_python3():
+        pytest.skip("needs Debian's own /usr/bin/python3 (PEP 668) as the only python3 on a bare PATH")
+    clone, home = shallow_clone(tmp_path / "clone"), tmp_path / "home"
+    home.mkdir()
+    first = pick_bare(clone, home)
+    venv = clone / ".venv"
+    assert (first.returncode, first.stdout.strip()) == (0, f"{venv}/bin/python"), first.stderr
+    assert "is managed by the OS (PEP 668) and no other python3 is on PATH: making the checkout's virtual " \
+           f"environment {venv}" in first.stderr
+    facts = subprocess.run([f"{venv}/bin/python", "-c", "import sys, pip; print(sys.prefix != sys.base_prefix, "
+                            "sys.base_prefix)"], capture_output=True, text=True, timeout=60)
+    assert facts.stdout.split() == ["True", "/usr"], facts       # a venv over Debian's python3, with pip
+    made = (venv / "pyvenv.cfg").stat().st_mtime_ns
+    again = pick_bare(clone, home)
+    assert (again.returncode, again.stdout.strip()) == (0, f"{venv}/bin/python"), again.stderr
+    assert f"using the checkout's virtual environment {venv} (made by an earlier run from /usr/bin/python3" \
+           in again.stderr and (venv / "pyvenv.cfg").stat().st_mtime_ns == made
+    other = shallow_clone(tmp_path / "other")
+    active = pick_bare(other, home, {"VIRTUAL_ENV": str(venv)})
+    assert (active.returncode, active.stdout.strip()) == (0, f"{venv}/bin/python"), active.stderr
+    assert not (other / ".venv").exists(), "an active venv is used, not a new one made"
+
+
+@pytest.mark.unit
+def test_a_python3_that_cannot_make_a_venv_is_refused_with_the_fix(tmp_path):
+    """A python3 managed by the OS whose venv module fails (Debian's without python3-venv says
+    ensurepip is not available; stood in for by a wrapper here, as the machine has the package)."""
+    if not debian_python3():
+        pytest.skip("needs Debian's own /usr/bin/python3 (PEP 668)")
+    clone, home, bin_dir = shallow_clone(tmp_path / "clone"), tmp_path / "home", tmp_path / "bin"
+    home.mkdir()
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text('#!/bin/sh\nif [ "$1 $2" = "-m venv" ]; then\n  echo "The virtual environment '
+                                     'was not created successfully because ensurepip is not available." >&2\n'
+                                     '  exit 1\nfi\nexec /usr/bin/python3 "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    proc = pick_bare(clone, home, {"PATH": f"{bin_dir}:{BARE_PATH}"})
+    assert proc.returncode == 1 and proc.stdout == "", proc
+    assert f"ci: {bin_dir}/python3 -m venv {clone}/.venv failed: The virtual environment was not created " \
+           "successfully because ensurepip is not available." in proc.stderr, proc.stderr
+    assert "fix: install your OS's venv package for" in proc.stderr and not (clone / ".venv").exists()
 
 
 @pytest.mark.unit
@@ -136,8 +212,11 @@ def test_readme_command_1_main_job(fresh_clone):
     assert "bit-identical after recovery: yes" in proc.stdout
     assert "survivors kept their processes: yes" in proc.stdout
     for row in ("start-up: process start -> first all_reduce", "recovery: SIGKILL -> first all_reduce",
-                "stock full restart"):
+                "failure -> training resumed (stock: full restart of all processes)"):
         assert row in proc.stdout, proc.stdout[-4000:]
+    # It trains under hpct run, whose replacement is forked (warm), and says so.
+    assert "launcher: `hpct run --nproc-per-node 4`" in proc.stdout
+    assert "the replacement forked from the node's fork server" in proc.stdout, proc.stdout[-4000:]
 
 
 @pytest.mark.slow

@@ -132,14 +132,14 @@ def test_the_server_ends_after_its_last_worker_once_told_no_more(tmp_path):
 @pytest.mark.slow
 @pytest.mark.serial
 def test_hpct_run_forks_its_workers_and_a_killed_one_is_replaced_bit_identically(tmp_path):
-    """examples/ddp.py with --fork-server: every worker is forked (the `start` event says so), the
+    """examples/ddp.py under hpct run's default: every worker is forked (the `start` event says so), the
     node waited once for its server's import, and a killed worker's replacement is forked too; the
     parameters equal stock's.  --standby 1 starts no standby while the server lives: its import
     of torch would only take cores from the training."""
     expect = stock_digest(tmp_path, 3, steps=LONG_STEPS)
     out = tmp_path / "out"
     out.mkdir()
-    args = ["--nproc-per-node", "3", "--fork-server", "--standby", "1",
+    args = ["--nproc-per-node", "3", "--standby", "1",
             "--port-base", str(free_port_block(2 * 8 * 3 + 2)), EXAMPLE, *LONG_STEPS, "--out", str(out)]
     with Agents(tmp_path, args) as agents:
         agents.start()

@@ -92,3 +92,17 @@ def test_spare_nodes_follow_the_active_ones_in_the_host_list(tmp_path):
         options(["--slow-link-ms", "-5", str(script)], env)
     with pytest.raises(LaunchError, match="--node-rank 4 is not below --nnodes 3 plus --spare-nodes 1"):
         options(["--node-rank", "4", "--spare-nodes", "1", str(script)], env)
+
+
+def test_a_python_script_is_forked_from_the_fork_server_unless_told_not_to(tmp_path):
+    """--fork-server is hpct run's default for a Python script (-m too); --no-fork-server opts out,
+    --no-python has none, and asking for one with --no-python is refused (tests/test_launch.py)."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    assert options(["--standalone", str(script)]).fork_server is True
+    assert options(["--standalone", "-m", "pkg.train"]).fork_server is True
+    assert options(["--standalone", "--fork-server", str(script)]).fork_server is True
+    assert options(["--standalone", "--no-fork-server", str(script)]).fork_server is False
+    assert options(["--standalone", "--no_fork_server", str(script)]).fork_server is False
+    assert options(["--standalone", "--no-python", "nvidia-smi"]).fork_server is False
+    assert options(["--standalone", "--no-python", "--no-fork-server", "nvidia-smi"]).fork_server is False

@@ -67,11 +67,12 @@ def wait_progress(agents: Agents, out: Path, rank: int, step: int, timeout: floa
         time.sleep(poll)
 
 
-def kill_once_warm(agents: Agents, out: Path, node: int, rank: int, sig: int = signal.SIGKILL) -> int:
-    """Send ``sig`` to ``rank``'s worker once node ``node`` has a standby ready and the rank has
-    stepped 10 times (a run of LONG_STEPS); fails, rather than kill at the job's end, when the
-    standby came too late."""
-    agents.wait_event(node, "standby", 120)
+def kill_once_warm(agents: Agents, out: Path, node: int, rank: int, sig: int = signal.SIGKILL,
+                   warm: str = "standby") -> int:
+    """Send ``sig`` to ``rank``'s worker once node ``node`` is warm (``warm``: its event, a standby
+    ready or its fork server's) and the rank has stepped 10 times (a run of LONG_STEPS); fails,
+    rather than kill at the job's end, when the standby came too late."""
+    agents.wait_event(node, warm, 120)
     wait_progress(agents, out, rank, 10)
     at, total = progress(out, rank), int(LONG_STEPS[1])
     assert at <= total - 20, (f"the standby was ready only at step {at} of {total}: a kill now lands at the "
@@ -104,11 +105,13 @@ def check_replaced(agents: Agents, out: Path, victim: int, world: int, expect: s
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_killed_worker_is_replaced_from_a_standby_and_nobody_else_restarts(tmp_path):
-    # Without a standby the same path runs in the two-node and the Slurm tests.
+    # --no-fork-server's warm path; the fork server's (the default) runs in the two-node, FSDP2, spare
+    # and Slurm tests.
     expect = stock_digest(tmp_path, 3, steps=LONG_STEPS)
     out = tmp_path / "out"
     out.mkdir()
-    args = ["--nproc-per-node", "3", "--standby", "1", "--port-base", str(free_port_block(2 * 8 * 3 + 2)),
+    args = ["--nproc-per-node", "3", "--no-fork-server", "--standby", "1",
+            "--port-base", str(free_port_block(2 * 8 * 3 + 2)),
             EXAMPLE, *LONG_STEPS, "--out", str(out)]
     with Agents(tmp_path, args) as agents:
         agents.start()
@@ -132,7 +135,7 @@ def test_a_worker_stopped_past_the_stopped_grace_is_replaced_and_nobody_else_res
     expect = stock_digest(tmp_path, 3, steps=LONG_STEPS)
     out = tmp_path / "out"
     out.mkdir()
-    args = ["--nproc-per-node", "3", "--standby", "1", "--stopped-grace", "2",
+    args = ["--nproc-per-node", "3", "--no-fork-server", "--standby", "1", "--stopped-grace", "2",
             "--port-base", str(free_port_block(2 * 8 * 3 + 2)), EXAMPLE, *LONG_STEPS, "--out", str(out)]
     with Agents(tmp_path, args) as agents:
         agents.start()
@@ -251,23 +254,23 @@ def test_fsdp2_join_takes_the_furthest_replica_and_heals_a_torn_step(tmp_path):
 @pytest.mark.slow
 def test_an_fsdp2_hsdp_job_replaces_a_killed_worker_from_its_replicas_shards(tmp_path):
     """examples/fsdp2.py on 2 nodes x 2 (mesh replicate 2 x shard 2): rank 3 on node 1 is killed; its
-    replacement takes its shards and momentum from rank 1 on node 0, its replica.  The run ends with
-    the full parameters of a fault-free stock run, bit for bit."""
+    replacement, forked from node 1's fork server, takes its shards and momentum from rank 1 on
+    node 0, its replica.  The run ends with the full parameters of a fault-free stock run, bit for bit."""
     if (why := unavailable_reason()) is not None:
         pytest.skip(why)
     expect = stock_digest(tmp_path, 4, FSDP2, LONG_STEPS)
     out = tmp_path / "out"
     out.mkdir()
     with netns_network(2, name_prefix="hpct-run", subnet="10.236.0") as ns:
-        args = ["--nnodes", "2", "--nproc-per-node", "2", "--standby", "1",
+        args = ["--nnodes", "2", "--nproc-per-node", "2",
                 "--hosts", ",".join(n.address for n in ns), FSDP2, *LONG_STEPS, "--out", str(out)]
         with Agents(tmp_path, args, nodes=2, namespaces=ns) as agents:
             agents.start()
-            kill_once_warm(agents, out, 1, 3)
+            kill_once_warm(agents, out, 1, 3, warm="fork-server")
             assert agents.wait(LIMIT_S) == [0, 0], agents.output(0) + agents.output(1)
         check_replaced(agents, out, 3, 4, expect)
         replacement = [e for e in agents.events(1, "start") if e["generation"] > 0]
-        assert [e["warm"] for e in replacement] == [True], (replacement, agents.events(1, "standby-failed"))
+        assert [e["why"].startswith("forked: from the fork server") for e in replacement] == [True], replacement
 
 
 @contextlib.contextmanager
@@ -345,10 +348,10 @@ def test_a_spare_node_takes_a_lost_nodes_ranks_and_the_run_is_bit_identical(tmp_
     spare's worker is rank 1 at place 3 and receives the state, and the parameters equal a
     fault-free stock run of 3 ranks.  The grace is 10 s, but node 1's host refuses its agent port
     (nothing listens there any more), so it is dropped after REFUSED_S: before, a killed agent
-    cost its node the whole grace.  With --fork-server every worker is forked, the spare keeps no
+    cost its node the whole grace.  Forked (the default), every worker is forked, the spare keeps no
     standby, and node 1's server outlives its killed agent until its worker is gone."""
     expect = stock_digest(tmp_path, 3)
-    flags = ("--fork-server",) if start == "forked" else ()
+    flags = ("--no-fork-server",) if start == "spawned" else ()
     with three_nodes(tmp_path, 10, STEPS, spares=1, flags=flags) as (agents, out):
         agents.wait_event(3, "idle", 60)
         wait_progress(agents, out, 0, 10)

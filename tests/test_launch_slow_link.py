@@ -3,7 +3,7 @@ tests/lossy.py's userspace switch adds 5 % loss and 20 ms each way to node 0's p
 trains (the goodput soak's lossy fault).  The agents' asks through that port stand out.  Node 0 is
 the view's lowest node, so the next one, node 1, gives node 0's slot to the spare (the 30-minute
 soak ended when the slow lowest node moved the view itself and nobody heard it).  Node 0's worker
-stops, the spare's worker takes rank 0 from a warm standby, and the run ends bit-identical to a
+stops, the spare's worker takes rank 0 forked from its fork server, and the run ends bit-identical to a
 fault-free one.  The judgement's rules are tests/test_launch_links.py's."""
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def test_a_node_whose_link_turns_slow_gives_its_ranks_to_a_spare_and_the_run_is_
     assert final[0]["place"] == 3 and final[0]["generation"] >= 1 and final[0]["pid"] == agents.worker_pid(3, 0)
     assert {r["digest"] for r in final.values()} == {expect}, "not the fault-free run's parameters"
     assert agents.events(0, "dropped") and not agents.events(0, "slow-node"), agents.output(0)
-    assert [e["warm"] for e in agents.events(3, "start")] == [True], agents.output(3)
+    assert [e["why"].startswith("forked: from the fork server") for e in agents.events(3, "start")] == [True], \
+        agents.output(3)
     for n in (1, 2, 3):
         assert agents.events(n, "view")[-1]["nodes"] == [3, 1, 2], agents.output(n)
     assert not [e for n in range(4) for e in agents.events(n, "node-lost")], "nothing was lost: a slot given away"

@@ -1,8 +1,9 @@
 """`hpct run --standby`: standbys import what the agent imports, a standby that fails says so and is
 replaced after a backoff, and every start says whether it was warm or cold, and why (issue 41).
 
-The workers are tests/launch_worker.py (no torch); the standbys are hpct's own (they import torch),
-so a standby's warm-up takes seconds here."""
+Standbys are the warm path of ``--no-fork-server`` (a node keeps none while its fork server lives,
+the default), so these jobs run with it.  The workers are tests/launch_worker.py (no torch); the
+standbys are hpct's own (they import torch), so a standby's warm-up takes seconds here."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ LIMIT_S = 120
 
 
 def args(tmp_path, standby: int, seconds: int = 60) -> list[str]:
-    return ["--nproc-per-node", "1", "--standby", str(standby), "--port-base", str(free_port_block(2 * 8 + 2)),
-            WORKER, str(tmp_path), "until-replaced", str(seconds)]
+    return ["--nproc-per-node", "1", "--no-fork-server", "--standby", str(standby),
+            "--port-base", str(free_port_block(2 * 8 + 2)), WORKER, str(tmp_path), "until-replaced", str(seconds)]
 
 
 def test_a_standby_beside_a_source_checkout_of_hpct_warms_and_a_replacement_starts_warm(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -259,17 +260,26 @@ def _unpack(archive: Path, into: Path, strip: int) -> None:
             tar.extractall(into, members=members, filter="data")
             return
         # Python < 3.11.4 (Debian 12's 3.11.2) has no extraction filters: refuse by hand what
-        # the "data" filter refuses, so an archive can never write outside ``into``.
+        # the "data" filter refuses, so an archive can never write outside ``into``.  A link is
+        # judged by where it resolves, as the filter judges it, one member at a time against what
+        # is on disk already: PyTorch's tree holds relative links that climb and stay inside
+        # (functorch/docs/source/notebooks -> ../../notebooks), which a refusal of every ".." refused.
+        root = os.path.realpath(into)
+
+        def inside(path: str) -> bool:
+            return os.path.commonpath([root, os.path.realpath(path)]) == root
         for member in members:
             parts = Path(member.name).parts
-            if member.name.startswith("/") or ".." in parts or member.isdev():
+            if member.name.startswith("/") or ".." in parts or member.isdev() \
+                    or not inside(os.path.join(into, member.name)):
                 raise SourceError(f"{archive.name}: unsafe member {member.name!r}",
                                   fix="use the pinned archive; this one is not it")
-            if (member.issym() or member.islnk()) and (member.linkname.startswith("/")
-                                                       or ".." in Path(member.linkname).parts):
-                raise SourceError(f"{archive.name}: link {member.name!r} points outside the tree",
-                                  fix="use the pinned archive; this one is not it")
-        tar.extractall(into, members=members)
+            if member.issym() or member.islnk():
+                base = os.path.dirname(member.name) if member.issym() else ""
+                if member.linkname.startswith("/") or not inside(os.path.join(into, base, member.linkname)):
+                    raise SourceError(f"{archive.name}: link {member.name!r} points outside the tree",
+                                      fix="use the pinned archive; this one is not it")
+            tar.extract(member, into)
 
 
 def _strip_for_unknown(archive: Path) -> int:

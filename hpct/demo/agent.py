@@ -1,8 +1,13 @@
-"""A minimal local cluster agent for tests, the demo and benchmarks.
+"""A minimal local cluster agent for the tests and benchmarks (`hpct demo` trains under `hpct run`:
+hpct/demo/launched.py).
 
 It starts the ranks of a job on this machine, kills ranks on cue and starts replacements
-with the same rank and the survivors' next generation, as a real cluster agent would.
-Every process is bounded by a deadline; on exit everything still running is killed.
+with the same rank and the survivors' next generation, as a real cluster agent would.  The
+recovery tests (tests/test_recovery.py, the NCCL simulation's and the GPU proof's) need what
+`hpct run` deliberately does not offer: ranks started in an order they choose (rank 0 last),
+a replacement started late, at a generation they choose or never, and ranks forked by the
+suite's own fork server (tests/zygote.py).  Every process is bounded by a deadline; on exit
+everything still running is killed.
 """
 
 from __future__ import annotations

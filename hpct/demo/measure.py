@@ -398,3 +398,28 @@ def full_restart(n: int) -> float:
             if p.poll() is None:
                 p.kill()
     return max(done) - t_fault
+
+
+def ddp_restart(n: int, out: Path, deadline: float) -> float:
+    """Seconds for N fresh processes of the demo's trainer on stock Gloo + TCPStore to complete their
+    first DDP step: torchrun's restart of every process, without its own detection and rendezvous
+    (a lower bound of it) and without loading a checkpoint."""
+    out.mkdir(parents=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)}
+    argv = [sys.executable, "-m", "hpct.demo.trainer", "train", str(out), "--stock", "--steps", "1", "--fast-exit"]
+    t_start = time.time()
+    procs = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=str(out),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(n)]
+    try:
+        for p in procs:
+            text, _ = p.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+            if p.returncode != 0:
+                raise RuntimeError(f"a stock rank exited with {p.returncode}:\n{text[-2000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    records = [json.loads(f.read_text()) for f in out.glob("rank*.json")]
+    return max(r["stepped"][0]["t"] for r in records) - t_start

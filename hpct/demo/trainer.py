@@ -1,6 +1,7 @@
 """One training rank for the recovery tests, the demo and the benchmark (python -m).
 
     python -m hpct.demo.trainer train OUT_DIR --steps S [--hang RANK:STEP:GEN ...] [--replacement]
+    hpct run --nproc-per-node N -m hpct.demo.trainer train OUT_DIR ...     (what `hpct demo` runs)
 
 --device cuda runs the same job on CUDA tensors (the hpct backend's NCCL engine; ranks that
 share a GPU each get their own NCCL_HOSTID, so NCCL treats them as hosts and uses sockets);
@@ -8,8 +9,11 @@ share a GPU each get their own NCCL_HOSTID, so NCCL treats them as hosts and use
 the reference a run on hpct must match bit for bit.
 
 Configuration comes from the environment: RANK, WORLD_SIZE, N_PROC_PER_NODE,
-HPCT_PORT_BASE, HPCT_CONNECT_TIMEOUT, HPCT_GENERATION.  Every rank writes
-OUT_DIR/rank<R>-<pid>.json (events) and OUT_DIR/params-<R>.pt (final parameters).
+HPCT_PORT_BASE, HPCT_CONNECT_TIMEOUT, HPCT_GENERATION.  A process started at a generation above
+0 is a replacement (as ``hpct run`` starts one; --replacement says so too) and receives the
+state.  Every rank writes OUT_DIR/rank<R>-<pid>.json (events, and "stepped": the time of the
+process's first completed step and of the first after each rejoin, when training resumed) and
+OUT_DIR/params-<R>.pt (final parameters).
 
 train: a small MLP under DistributedDataParallel with Adam; the batch of step s on rank r
 is a pure function of (r, s).  Step semantics: a step is forward, backward (the gradient
@@ -108,6 +112,12 @@ class Log:
         self.data["events"].append({"what": what, "t": time.time(), **kw})
         self.flush()
 
+    def stepped(self, step: int, generation: int):
+        """A step completed, the first since the process started or last rejoined (kept apart from
+        the events, whose sequence the recovery tests assert)."""
+        self.data.setdefault("stepped", []).append({"step": step, "t": time.time(), "generation": generation})
+        self.flush()
+
     def flush(self):
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data))
@@ -131,10 +141,16 @@ def train(args) -> int:
     model.to(dev)       # in place: the optimizer's parameters stay the model's
     step = 0
     ddp = None
-    if args.replacement:
+    started_at = int(os.environ.get("HPCT_GENERATION", "0") or 0)
+    if args.replacement or started_at > 0:
         step, ddp = rejoin(log, model, opt, step, healthy=False, recover_first=False, args=args)
+    elif not args.stock and hd.generation() > 0:
+        # hpct run moved the view before this first world formed: a newcomer is in it and waits
+        # for the state, so every rank joins (its seeded state is step 0), as examples/ddp.py does.
+        step, ddp = rejoin(log, model, opt, step, healthy=True, recover_first=False, args=args)
     else:
         ddp = wrap(model)
+    resumed = False     # whether this process has stepped since it started or last rejoined
     loss_fn = nn.MSELoss()
     while step < args.steps:
         opt.zero_grad(set_to_none=True)
@@ -154,9 +170,13 @@ def train(args) -> int:
                 raise
             del ddp
             step, ddp = rejoin(log, model, opt, step, healthy=True, recover_first=True, args=args)
+            resumed = False
             continue
         opt.step()
         step += 1
+        if not resumed:
+            log.stepped(step - 1, hd.generation())
+            resumed = True
     torch.save({k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, out / f"params-{rank}.pt")
     log.event("done", step=step, generation=hd.generation())
     if args.fast_exit:

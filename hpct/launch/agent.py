@@ -96,9 +96,9 @@ class NodeAgent(Losses, Membership):
         p = self.opts.nproc_per_node
         return [n * p + l for n in self.nodes for l in range(p)], self.generation
 
-    def _start(self, local_rank: int, restarts: int = 0) -> None:
+    def _start(self, local_rank: int, restarts: int = 0, world: tuple[list[int], int] | None = None) -> None:
         place = self.node * self.opts.nproc_per_node + local_rank
-        plan, gen = self._world()
+        plan, gen = world or self._world()
         if place not in plan:
             raise JobEnd(1, f"place {place} is not in the world of generation {gen}")
         rank = plan.index(place)
@@ -180,6 +180,13 @@ class NodeAgent(Losses, Membership):
             self.pool.size = max(o.standby, o.nproc_per_node)
 
     def _take_slot(self) -> None:
+        # The world this node was admitted to.  Its first workers start in it even if the view moves
+        # while they wait for the fork server below, as spawned ones started at once would have:
+        # an original member's first workers are then still generation 0's, which hold the seeded
+        # state (a script takes a process started above generation 0 for a replacement, without
+        # state), and they follow the view to its newer world as they connect.
+        with self.cond:
+            admitted = self._world()
         forks = self.pool.forks
         if forks is not None and not forks.ready.is_set():
             t0 = time.monotonic()      # its one import of torch, against one per worker
@@ -192,12 +199,18 @@ class NodeAgent(Losses, Membership):
                 f"not ready within {FORK_READY_S:g} s: workers start cold (its log {forks.log})"),
                 pid=forks.proc.pid, ready=ready)
         with self.cond:
-            gen = self.generation
+            member = self.node in self.nodes
+        if not member:                  # the view gave the slot away meanwhile (a slow node's, say)
+            self._idle_wait()
+            self._tell_peers(self._hello_request())
+            self.pool.fill()
+            return
+        gen = admitted[1]
         self.events.emit("admitted", f"node {self.node} holds a slot of generation {gen}: its workers start",
                          generation=gen)
         self.active, self.pool.size, self.took_slot = True, self.opts.standby, time.monotonic()
         for local in range(self.opts.nproc_per_node):
-            self._start(local)
+            self._start(local, world=admitted)
 
     def _step_down(self) -> None:
         with self.cond:

@@ -1,5 +1,5 @@
-"""A node's fork server (``hpct run --fork-server``): one process imports torch, and every worker
-of the node is forked from it.
+"""A node's fork server (``hpct run``'s default for a Python script; ``--no-fork-server`` turns it
+off): one process imports torch, and every worker of the node is forked from it.
 
 A cold worker imports torch itself: 1.5-2 s of CPU each, and on a node of 8 workers 8 processes
 reading the same files at once (a shared file system at the job's start reads them for every node).
@@ -35,6 +35,7 @@ from pathlib import Path
 PR_SET_PDEATHSIG = 1
 REAP_S = 0.05               # how often the server reaps exited workers between orders
 FORK_TIMEOUT_S = 10.0       # an order the server does not answer within this is refused
+SETTLE_S = 5.0              # a forked child has this long to take its own session before its pid goes out
 SERVER_ARGV = ("-c", "import sys; del sys.path[0]; from hpct.launch.forkserver import serve; sys.exit(serve())")
 
 
@@ -42,7 +43,7 @@ def _emit(ev: str, **facts) -> None:
     os.write(1, (json.dumps({"ev": ev, **facts}) + "\n").encode())
 
 
-def _child(order: dict) -> None:
+def _child(order: dict, settled: int) -> None:
     """The forked worker; never returns to the server's loop.  It ends as an interpreter would (its
     non-daemon threads joined, atexit run, the error's traceback and exit code) but without the
     interpreter's finalisation: torch's state copied from the server (a thread pool whose threads
@@ -54,6 +55,7 @@ def _child(order: dict) -> None:
     from .standby import become
     os.setsid()
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    os.close(settled)           # the server now tells its pid: its session and process group exist
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -90,7 +92,11 @@ def serve() -> int:
     # A fork copies only the forking thread.  ``import torch`` leaves one native thread of its own,
     # idle on a condition variable (it holds no lock then), so forking stays safe as long as this
     # loop itself starts none; the children skip the finalisation that would wait for it (_child).
-    _warm()
+    # The server never asks CUDA anything: once a process has (torch.cuda.is_available(), even
+    # device_count() where NVML is missing), torch marks every child it forks later as a bad fork,
+    # whose first CUDA op raises "Cannot re-initialize CUDA in forked subprocess".  So it leaves
+    # out hpct's backend, which asks as it registers; each worker imports it itself (30 ms).
+    _warm(backend=False)
     _emit("ready")
     children: set[int] = set()
     pending, open_input = b"", True
@@ -102,9 +108,17 @@ def serve() -> int:
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
                 order = json.loads(line)
+                settling, settled = os.pipe()
                 pid = os.fork()
                 if pid == 0:
-                    _child(order)
+                    os.close(settling)
+                    _child(order, settled)
+                os.close(settled)
+                # The pid goes out only once the child leads its own session: the agent stops a
+                # worker by its process group, and a worker stopped (SIGSTOP) or killed before its
+                # setsid() had none, so the agent's kill missed it and it was never replaced.
+                select.select([settling], [], [], SETTLE_S)
+                os.close(settling)
                 children.add(pid)
                 _emit("forked", id=order["id"], pid=pid)
         elif not open_input:

@@ -83,9 +83,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     add("--no-python", dest="no_python", action="store_true", help="run the script as a program")
     add("--hosts", default=None, help="node addresses, node 0 first: a comma list or a Slurm hostlist")
     add("--hostfile", default=None, help="file with one node address per line")
-    add("--standby", type=int, default=0, help="warm standby processes per node (torch imported)")
-    add("--fork-server", action="store_true", help="fork each worker from one process per node that imported "
-        "torch once, instead of starting an interpreter per worker")
+    add("--standby", type=int, default=0, help="warm standby processes per node (torch imported), kept with "
+        "--no-fork-server or once the node's fork server has ended")
+    add("--fork-server", dest="fork_server", action="store_true", default=None,
+        help="fork each worker from one process per node that imported torch once (the default for a Python script)")
+    add("--no-fork-server", dest="fork_server", action="store_false", default=None,
+        help="start an interpreter per worker, which imports torch itself (--standby K then keeps K warm standbys)")
     add("--spare-nodes", type=int, default=0, help="spare nodes listed after the active ones: one takes a "
         "lost node's place (its ranks), and a node that comes back after a shrink joins by grow")
     add("--port-base", type=int, default=None, help="HPCT_PORT_BASE for the job's port plan")
@@ -168,6 +171,7 @@ class RunOptions:
             if args.get(name, 0) < 0:
                 raise LaunchError(f"--{name.replace('_', '-')} {args[name]} is negative", fix="give 0 or more")
         script = args["training_script"]
+        fork_server = args.get("fork_server")
         if args.get("no_python"):
             for flag in ("standby", "fork_server"):
                 if args.get(flag):
@@ -188,7 +192,9 @@ class RunOptions:
         json_log = Path(args["json_log"]) if args.get("json_log") else None
         return cls(nnodes=nnodes, nproc_per_node=nproc, node_rank=node_rank, hosts=hosts, host_source=source,
                    run_id=run_id, max_restarts=args.get("max_restarts", 0), standby=args.get("standby", 0),
-                   fork_server=bool(args.get("fork_server")),
+                   # The default for a Python script: a worker lost at any time, its first seconds
+                   # included, is forked warm (docs/launch.md, "Forked workers").
+                   fork_server=not args.get("no_python") if fork_server is None else fork_server,
                    spare_nodes=spares,
                    command=command + tuple(args.get("training_script_args") or ()),
                    python_script=not args.get("no_python"), log_dir=log_dir.resolve(), json_log=json_log,

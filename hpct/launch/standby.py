@@ -15,12 +15,15 @@ import runpy
 import sys
 
 
-def _warm() -> None:
+def _warm(backend: bool = True) -> None:
     # What every worker of a PyTorch job imports first; CUDA is not initialised (the
     # worker's CUDA_VISIBLE_DEVICES applies when it first touches the GPU).
     import torch
     import torch.distributed  # noqa: F401
-    import hpct.distributed  # noqa: F401
+    if backend:
+        # Registering hpct's backend asks torch whether it sees a GPU (cudaGetDeviceCount): the
+        # standby's own CUDA, as it becomes the worker.  A fork server must not ask (forkserver.py).
+        import hpct.distributed  # noqa: F401
     # torch's optimizers import torch._dynamo at their first construction: 2 s of a replacement's
     # start on a 2-core machine (measured by benchmarks/launch.py) unless the standby pays it.
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)

@@ -64,7 +64,7 @@ class Pool:
         self.started = 0
         self.last_failure: str | None = None
         self.backoff, self.next_try = 0.0, 0.0
-        self.forks = None           # the node's fork server (forkserver.py), with --fork-server
+        self.forks = None           # the node's fork server (forkserver.py), unless --no-fork-server
         self.lock = threading.Lock()
         log_dir.mkdir(parents=True, exist_ok=True)
 

@@ -228,3 +228,30 @@ def test_ddp_bit_identical_to_stock_nccl_and_survives_a_sigkilled_rank(n, tmp_pa
         f"DDP n={n}: {STEPS} steps bit-identical to stock NCCL; stock job {runs['stock'][1]:.2f} s, "
         f"hpct job {runs['hpct'][1]:.2f} s; SIGKILL of rank {victim} at step {KILL_STEP}: in-process "
         f"recovery {recover_s:.3f} s (slowest survivor), run {time.monotonic() - t_kill:.2f} s after the kill\n")
+
+
+def test_hpct_run_forks_workers_whose_first_cuda_op_runs_and_replaces_a_killed_rank_forked(tmp_path):
+    """hpct run's default forks every worker from its node's fork server, which imports torch and
+    never asks CUDA anything (a process that has makes torch refuse CUDA in every child it forks
+    later: "Cannot re-initialize CUDA in forked subprocess").  Each forked worker's first CUDA op
+    (the NCCL engine's world on the GPU) runs, so does the forked replacement's after a SIGKILL,
+    and the parameters equal the fault-free run's under hpct run.  The CPU tiers prove the same
+    path on the simulated runtime (tests/test_nccl_sim_forked.py)."""
+    from hpct.demo import launched
+    n = 2
+    env = {**settings(), "HPCT_CONNECT_TIMEOUT": "60"}
+    runs = {}
+    for name, fault in (("clean", None), ("fault", KILL_STEP)):
+        runs[name] = launched.run(tmp_path / name, n, STEPS, fault, time.monotonic() + 240.0,
+                                  trainer_args=("--device", "cuda"), env=env)
+    job = runs["fault"]
+    whys = [e["why"] for e in runs["clean"].starts() + job.starts()]
+    assert len(whys) == 2 * n + 1 and all(w.startswith("forked: from the fork server") for w in whys), whys
+    clean = params(tmp_path / "clean", n)
+    assert all(identical(p, clean[0]) for p in clean + params(tmp_path / "fault", n)), \
+        "the run with a forked replacement differs from the fault-free run"
+    report = Path(os.environ.get("GPU_PROOF_REPORT", "build/gpu-proof"))
+    report.mkdir(parents=True, exist_ok=True)
+    (report / f"forked-{n}.txt").write_text(
+        f"hpct run, workers forked (n={n}, CUDA): {STEPS} steps bit-identical with a SIGKILL of rank {job.victim} "
+        f"at step {KILL_STEP}; failure -> training resumed {job.resumed_s() * 1000:.0f} ms\n")
