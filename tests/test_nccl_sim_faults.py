@@ -279,7 +279,8 @@ def test_a_side_thread_query_during_a_global_capture_is_a_breach():
     while another thread captures is recorded as a breach."""
     rt = SimRuntime()
     stream, handle = rt.new_stream(None)
-    ev = rt.record(handle)
+    ev = rt.take()
+    rt._record(ev, handle)
     before = len(nccl_sim.BREACHES)
     inside, leave = threading.Event(), threading.Event()
 

@@ -34,6 +34,7 @@ from hpct.distributed.nccl import library as nccl_lib
 
 from . import breach
 from .bootstrap import RingError, listen, ring_addresses, split_addr
+from .callbacks import COLL, GATHER, GROUP, NCCL_INTERNAL_ERROR, P2P, ROOTED, Table
 from .kernels import Kernel
 from .runtime import CAPTURES, HANG_S, STREAMS
 
@@ -110,6 +111,7 @@ class SimNccl:
         self.on_abort: list = []             # tests: fn(comm) run inside ncclCommAbort
         self._group = threading.local()
         self._lock = threading.Lock()
+        self._table: Table | None = None
 
     # ---- the rules ---------------------------------------------------------------------------
     def _enter(self, handle, call: str, *, abort: bool = False) -> SimComm:
@@ -194,8 +196,19 @@ class SimNccl:
             comm.aborted.set()
         return SUCCESS
 
-    def fn(self, name: str):
-        return getattr(self, name)
+    def addresses(self) -> dict[str, int]:
+        """The functions the engine's native launch calls: callbacks into this library."""
+        if self._table is None:
+            t = Table()
+            t.add("ncclGroupStart", GROUP, self.group_start, NCCL_INTERNAL_ERROR)
+            t.add("ncclGroupEnd", GROUP, self.group_end, NCCL_INTERNAL_ERROR)
+            for name, proto, method in (("ncclAllReduce", COLL, self.all_reduce), ("ncclBroadcast", COLL, self.broadcast),
+                                        ("ncclReduceScatter", COLL, self.reduce_scatter),
+                                        ("ncclReduce", ROOTED, self.reduce), ("ncclAllGather", GATHER, self.all_gather),
+                                        ("ncclSend", P2P, self.send), ("ncclRecv", P2P, self.recv)):
+                t.add(name, proto, method, NCCL_INTERNAL_ERROR)
+            self._table = t
+        return dict(self._table.addresses)
 
     def _form(self, comm: SimComm) -> None:
         from hpct import _gloo

@@ -88,6 +88,7 @@ class NcclWork(dist.Work):
         self._raw = None                  # the (ok, value) future, made on demand (get_future)
         self._fut = None
         self.deadline: float | None = None
+        self.seq = 0                      # the launch's sequence number (ops end in launch order)
 
     def __del__(self):
         ev = self._event
@@ -98,10 +99,11 @@ class NcclWork(dist.Work):
                 pass
 
     # ---- engine side --------------------------------------------------------------------------
-    def _mark_launched(self, event, deadline: float) -> bool:
+    def _mark_launched(self, event, deadline: float, seq: int) -> bool:
         """Launched: True when a future was already asked for and must be queued."""
         self._event = event
         self.deadline = deadline
+        self.seq = seq
         if self.captured:                 # as ProcessGroupNCCL: a captured op completes at launch
             self._done = True
         self._launched = True
@@ -158,15 +160,14 @@ class NcclWork(dist.Work):
             self._ensure_launched(deadline)
         if self._error is not None:
             raise self._error
-        rt = self._engine.runtime
         if self.captured:
-            rt.stream_wait(self.device, self._event)
+            self._engine._stream_wait(self.device, self._event)
         elif seconds:
             self._host_wait_until(deadline, seconds)
         elif self._host_wait:
-            rt.host_wait(self._event)      # the watchdog bounds it: a stuck op is aborted
+            self._engine.runtime.host_wait(self._event)      # the watchdog bounds it: a stuck op is aborted
         elif not self._done:
-            rt.stream_wait(self.device, self._event)
+            self._engine._stream_wait(self.device, self._event)
         if self._error is not None:
             raise self._error
         return True
