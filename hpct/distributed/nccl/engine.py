@@ -91,6 +91,7 @@ class NcclEngine(NcclOps, Launching, Forming):
         self._lock = threading.Lock()
         self._launch_lock = threading.Lock()
         self._device: torch.device | None = None
+        self._device_index = None                 # its index as Tensor.get_device() says it (-1: CPU)
         self._comm: Communicator | None = None    # set before its init: abort() reaches a forming comm
         self._formed = False
         self._stream = None                       # the stream object (keeps it alive) and its handle
@@ -235,6 +236,7 @@ class NcclEngine(NcclOps, Launching, Forming):
                 self._stream, self._stream_h = self.runtime.new_stream(dev)
                 self._follow_ev = self.runtime.take()
                 self._device = dev
+                self._device_index = -1 if dev.index is None else dev.index
 
     def _bind_native(self) -> None:
         """The library's and the runtime's functions for the native launch, resolved once."""

@@ -36,7 +36,14 @@ class Launching:
 
     @staticmethod
     def _prune(inflight) -> None:
-        """Drop the ops that have ended from the head (ops end in launch order on the one stream)."""
+        """Drop the ops that have ended (ops end in launch order on the one stream): all of them
+        when the newest has ended, else those at the head."""
+        try:
+            if inflight[-1]._poll():
+                inflight.clear()
+                return
+        except IndexError:               # a failure cleared it meanwhile
+            return
         while len(inflight) > 1 and inflight[0]._poll():
             try:
                 inflight.popleft()
@@ -73,6 +80,51 @@ class Launching:
             return work
         try:
             refused = self._launch_locked(self._take_batch() + [work] if self._batch else [work], what, caller)
+        finally:
+            lock.release()
+        if refused is not None:
+            raise refused
+        return work
+
+    def _submit_one(self, what: str, tensors, calls) -> NcclWork:
+        """``_submit`` of an op on one tensor whose result is that tensor (DDP's buckets), launched
+        now on a formed comm: the common case and the launch's common answer inline, anything
+        else through ``_submit`` and ``_answer``."""
+        t = tensors[0]
+        lock = self._launch_lock
+        if (self._batch or self._coalescing or not self._formed or self._failure is not None or self._closed
+                or t.get_device() != self._device_index or t.is_sparse or not lock.acquire(False)):
+            return self._submit(what, tensors, calls, tensors)
+        rt = self.runtime
+        try:
+            work = NcclWork(self, what, self._device, tensors, calls, (t,))
+            ev = rt.take()
+            caller = rt.current(self._device)
+            comm = self._comm
+            self._launch_since = now = time.monotonic()
+            try:
+                r = comm.launch(calls, caller, self._stream_h, self._follow_ev, ev)
+            except CommEnded as err:
+                rt.release(ev)
+                r, refused = None, self._not_launched([work], what, err)
+            finally:
+                self._launch_since = None
+            if r is None:
+                pass
+            elif r != _OK:
+                refused = self._answer([work], [ev], what, caller, r, comm)
+            else:
+                self._launches = seq = self._launches + 1
+                work._event, work.deadline, work.seq, work._launched = ev, now + self.op_timeout, seq, True
+                inflight = self._inflight
+                inflight.append(work)
+                if len(inflight) > PRUNE_AT:       # ended ops leave here, not all at the watchdog's tick
+                    self._prune(inflight)
+                if self._failure is not None:      # a failure raced the launch: it may have missed it
+                    work._fail(self._err(NcclAbortedError, what, f"the group failed during the launch: "
+                                                                 f"{self._failure}"))
+                    self._watchers.settle([work])
+                return work
         finally:
             lock.release()
         if refused is not None:
@@ -129,17 +181,27 @@ class Launching:
                                 events[0] if len(works) == 1 else tuple(events))
             finally:
                 self._launch_since = None
-            if r & native.FLAG_BEFORE:           # raised before the group: nothing was called
-                raise CommEnded(comm.end_how or "aborted")
         except Exception as err:   # noqa: BLE001 -- nothing reached NCCL's group: nothing to hold
             for ev in events:
                 rt.release(ev)
-            failure = self._launch_failure(err, what)
-            self._fail(failure)
-            for w in works:
-                w._fail(failure)
-            return None
-        if r == _OK:                             # the common answer: taken, recorded, not captured
+            return self._not_launched(works, what, err)
+        return self._answer(works, events, what, caller, r, comm)
+
+    def _not_launched(self, works, what, err):
+        """Nothing reached NCCL's group (the comm ended, its forming failed): the group fails."""
+        failure = self._launch_failure(err, what)
+        self._fail(failure)
+        for w in works:
+            w._fail(failure)
+        return None
+
+    def _answer(self, works, events, what, caller, r, comm):
+        """What the native launch's answer ``r`` means for ``works`` (see the module doc)."""
+        if r & native.FLAG_BEFORE:               # raised before the group: nothing was called
+            for ev in events:
+                self.runtime.release(ev)
+            return self._not_launched(works, what, CommEnded(comm.end_how or "aborted"))
+        if r == _OK:                             # taken, recorded, not captured
             return self._launched(works, events, what, _SUCCESS)
         if caller is not None:
             works[-1].captured = bool(r & _CAPTURED)

@@ -60,11 +60,17 @@ class NcclOps:
         if len(tensors) != 1:
             return self.allreduce_coalesced(tensors, op)
         t = tensors[0]
-        dt = self._codes.get(t.dtype)             # known only for real dtypes (never complex)
+        codes = self._codes
+        dt = codes.get(t.dtype)                   # known only for real dtypes (never complex)
         if dt is not None and self._fns and t.is_contiguous():      # DDP's buckets: no staging
+            try:
+                code = codes.get((op, t.dtype))   # _op's cache (a plain ReduceOp is its own kind)
+            except TypeError:                     # an unhashable op object
+                code = None
+            if code is None:
+                code = self._op(op, t)
             p = t.data_ptr()
-            calls = [self._fns["all_reduce"] + (p, p, t.numel(), dt, self._op(op, t))]
-            return self._submit("allreduce", tensors, calls, tensors)
+            return self._submit_one("allreduce", tensors, [self._fns["all_reduce"] + (p, p, t.numel(), dt, code)])
         return self._reduce_all("allreduce", tensors, op)
 
     def allreduce_coalesced(self, tensors, op=dist.ReduceOp.SUM):

@@ -68,27 +68,35 @@ class NcclWork(dist.Work):
     writes ``_raw`` before it reads ``_event``, so one of them always queues the future.
     """
 
-    def __init__(self, engine, what: str, device, result, *, calls=(), keep=(), post=None,
+    # Defaults at class level: a Work sets only what differs (a small op's Work is built per op).
+    peer: int | None = None
+    post = None
+    captured = False                      # launched into a CUDA graph capture: never polled
+    _host_wait = False
+    _event = None                         # the op's end event, recorded at launch
+    _launched = False                     # launched, or failed before it could be
+    _error: BaseException | None = None
+    _done = False
+    _raw = None                           # the (ok, value) future, made on demand (get_future)
+    _fut = None
+    deadline: float | None = None
+    seq = 0                               # the launch's sequence number (ops end in launch order)
+
+    def __init__(self, engine, what: str, device, result, calls=(), keep=(), *, post=None,
                  host_wait: bool = False, peer: int | None = None):
         super().__init__()
         self._engine = engine
         self.what = what
         self.device = device
-        self.peer = peer
         self.calls = calls
-        self.post = post
-        self.captured = False             # launched into a CUDA graph capture: never polled
         self._result = result
-        self._host_wait = host_wait
         self._keep = keep
-        self._event = None                # the op's end event, recorded at launch
-        self._launched = False            # launched, or failed before it could be
-        self._error: BaseException | None = None
-        self._done = False
-        self._raw = None                  # the (ok, value) future, made on demand (get_future)
-        self._fut = None
-        self.deadline: float | None = None
-        self.seq = 0                      # the launch's sequence number (ops end in launch order)
+        if peer is not None:
+            self.peer = peer
+        if post is not None:
+            self.post = post
+        if host_wait:
+            self._host_wait = True
 
     def __del__(self):
         ev = self._event
@@ -154,6 +162,15 @@ class NcclWork(dist.Work):
             time.sleep(LAUNCH_POLL_S)
 
     def wait(self, timeout=None):
+        if timeout is None and self._launched and self._error is None and not (
+                self.captured or self._host_wait or self._done):     # the common case: a stream wait
+            e = self._engine
+            rc = e._native.stream_wait(e.runtime.current(self.device), self._event)
+            if rc:
+                raise e.runtime.driver_error(rc, "the caller's stream waiting for the op (cuStreamWaitEvent)")
+            if self._error is not None:
+                raise self._error
+            return True
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
         deadline = time.monotonic() + seconds if seconds else None
         if not self._launched:
@@ -200,11 +217,17 @@ class NcclWork(dist.Work):
         return self._error
 
     def get_future(self):
-        if self._fut is None:
+        fut = self._fut
+        if fut is None:
             if not self._launched:
                 self._engine._flush(time.monotonic() + self._engine.op_timeout)
-            self._fut = self._future().then(_unpack)
-        return self._fut
+            if self._poll() and self._error is None:     # ended well (a failure is set before its abort)
+                fut = self._engine.runtime.future()
+                fut.set_result(self._result)
+            else:
+                fut = self._future().then(_unpack)
+            self._fut = fut
+        return fut
 
     def _future(self):
         """The (ok, value) future: settled at once when the op has failed or ended (or was
