@@ -112,6 +112,7 @@ class SimNccl:
         self._group = threading.local()
         self._lock = threading.Lock()
         self._table: Table | None = None
+        self.group_starts = 0                # ncclGroupStart calls (tests: what a launch reached)
 
     # ---- the rules ---------------------------------------------------------------------------
     def _enter(self, handle, call: str, *, abort: bool = False) -> SimComm:
@@ -310,6 +311,7 @@ class SimNccl:
             raise breach("nested ncclGroupStart on one thread (the engine never nests)")
         self._group.ops = []
         self._group.error = SUCCESS
+        self.group_starts += 1
         return SUCCESS
 
     def group_end(self) -> int:

@@ -114,6 +114,8 @@ class SimRuntime:
         self.events: dict[int, SimEvent] = {}
         self._pool: list[int] = []
         self._ids = itertools.count(0xE000)
+        self.on_capture_check: list = []   # tests: fn() run inside cuStreamIsCapturing (within a launch)
+        self.capture_check_error = 0         # tests: cuStreamIsCapturing answers this CUDA error
         self._table = Table()
         for name, proto, fn in (("cuEventRecord", RECORD, self._record), ("cuStreamWaitEvent", WAIT, self._wait),
                                 ("cuStreamIsCapturing", CAPTURING, self._capturing),
@@ -191,6 +193,10 @@ class SimRuntime:
         return 0
 
     def _capturing(self, stream: int, out) -> int:
+        for fn in list(self.on_capture_check):
+            fn()
+        if self.capture_check_error:
+            return self.capture_check_error
         out[0] = 1 if stream == HOST and self._capturing_now() else 0
         return 0
 

@@ -131,9 +131,11 @@ class NcclEngine(NcclOps, Launching, Forming):
         return cls(f"{self._describe(what, peer)}: {cause}",
                    fix="call hpct.distributed.recover() to re-form the group")
 
-    def _fail(self, err: BaseException) -> None:
+    def _fail(self, err: BaseException, *, capturing: bool = False) -> None:
         """Fail the group once: fail every op not ended, hand the ops whose kernels may still run
-        to the completer (it keeps their tensors until their events complete), end the comm."""
+        to the completer (it keeps their tensors until their events complete), end the comm.
+        ``capturing``: the calling thread is capturing a CUDA graph, where an event query would
+        invalidate the capture: no op is asked whether it ended (all are failed and held)."""
         with self._lock:
             if self._failure is not None:
                 return
@@ -143,7 +145,7 @@ class NcclEngine(NcclOps, Launching, Forming):
             self._batch = []
             comm = self._comm
         for w in works:
-            if not w._poll():
+            if capturing or not w._poll():
                 w._fail(err)
         held = [w for w in works if w._event is not None and not w.captured and not w._done]
         if held:

@@ -236,10 +236,10 @@ class Launching:
         deadline = time.monotonic() + self.op_timeout
         self._launches += 1
         seq = self._launches
-        settle = [w for w, ev in zip(works, events) if w._mark_launched(ev, deadline, seq)]
+        settle = [w for w, ev in zip(works, events) if w._mark_launched(ev, deadline, seq, ok)]
         if not ok:
             failure = self._failure or self._err(*self._launch_error(rc, what))
-            self._fail(failure)
+            self._fail(failure, capturing=works[0].captured)
             for w in works:
                 w._fail(failure)
             self._watchers.settle([w for w in works if not w.captured])
@@ -265,7 +265,7 @@ class Launching:
         deadline = time.monotonic() + self.op_timeout
         self._launches += 1
         for w, ev in zip(works, events):
-            w._mark_launched(ev, deadline, self._launches)
+            w._mark_launched(ev, deadline, self._launches, False)
         err = NcclRefusedError(f"hpct NCCL {what}: {self._lib.error(rc, 'NCCL refused the op at its call')} "
                                f"(group {self.group_name}, rank {self.rank}); nothing was launched and the "
                                "group goes on", fix="check the op's arguments (dtype, count, device)")

@@ -107,16 +107,19 @@ class NcclWork(dist.Work):
                 pass
 
     # ---- engine side --------------------------------------------------------------------------
-    def _mark_launched(self, event, deadline: float, seq: int) -> bool:
-        """Launched: True when a future was already asked for and must be queued."""
+    def _mark_launched(self, event, deadline: float, seq: int, ok: bool = True) -> bool:
+        """Launched (``ok``: NCCL took it): True when a future was already asked for and must be
+        queued.  A captured op that NCCL took completes at launch, as ProcessGroupNCCL's; one it
+        failed is failed by the launch next."""
         self._event = event
         self.deadline = deadline
         self.seq = seq
-        if self.captured:                 # as ProcessGroupNCCL: a captured op completes at launch
+        captured = self.captured and ok
+        if captured:
             self._done = True
         self._launched = True
         raw = self._raw
-        if raw is not None and self.captured:
+        if raw is not None and captured:
             _settle(raw, (True, self._result))
             return False
         return raw is not None
