@@ -29,19 +29,11 @@ from hpct.distributed.nccl.work import NcclGroupError, NcclOpTimeoutError, NcclR
 from nccl_sim import null
 from nccl_sim.library import REMOTE_ERROR, SimNccl
 from nccl_sim.runtime import capture
-from sim_ranks import Ranks, no_breach  # noqa: F401 -- a fixture
+from sim_ranks import Ranks, no_breach, until  # noqa: F401 -- a fixture
 
 pytestmark = [pytest.mark.nccl_sim]
 SYSTEM_ERROR = 2
 CAPTURE_INVALIDATED = 901          # CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
-
-
-def until(cond, seconds: float, what: str) -> None:
-    end = time.monotonic() + seconds
-    while not cond():
-        if time.monotonic() > end:
-            pytest.fail(f"{what} within {seconds:g} s")
-        time.sleep(0.005)
 
 
 @pytest.fixture

@@ -29,18 +29,10 @@ from hpct.ports import free_port_block
 from nccl_sim import runtime as sim_runtime
 from nccl_sim.library import SimNccl
 from nccl_sim.runtime import SimRuntime, capture
-from sim_ranks import Ranks, no_breach  # noqa: F401 -- a fixture
+from sim_ranks import Ranks, no_breach, until  # noqa: F401 -- a fixture
 
 pytestmark = [pytest.mark.nccl_sim]
 R = dist.ReduceOp
-
-
-def until(cond, seconds: float, what: str) -> None:
-    end = time.monotonic() + seconds
-    while not cond():
-        if time.monotonic() > end:
-            pytest.fail(f"{what} within {seconds:g} s")
-        time.sleep(0.01)
 
 
 def in_thread(fn):
