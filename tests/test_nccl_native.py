@@ -206,8 +206,8 @@ def test_every_op_of_a_failed_batch_keeps_its_buffers_until_the_kernel_ended(no_
     """A deferred send and receive go to NCCL as one group; ncclGroupEnd enqueues the kernel and
     then answers an error.  Each op has its own end event, recorded after the group whatever NCCL
     said, so neither op reads as ended, nor frees its staging buffer, until the kernel (ended by
-    the abort a little later) has ended.  Fails when only the first op's event is recorded."""
-    lib = SimNccl(error_after_launch=True, linger_s=0.6)
+    the abort, and here only once the test lets it) has ended.  Fails when only the first op's event is recorded."""
+    lib = SimNccl(error_after_launch=True, gate_kernels=True)     # the kernels end when the test says
     ranks = Ranks(2, lib=lib, blocking=True)
     refs: dict = {}
 
@@ -223,6 +223,7 @@ def test_every_op_of_a_failed_batch_keeps_its_buffers_until_the_kernel_ended(no_
     assert ranks.run(body) == [[False, False]] * 2, "an op of the batch read as ended while its kernel ran"
     gc.collect()
     assert all(ref() is not None for r in refs for ref in refs[r]), "a buffer was freed while its kernel ran"
+    lib.kernel_gate.set()
     until(lambda: (gc.collect() or True) and all(ref() is None for r in refs for ref in refs[r]), 10,
           "the buffers were not released after the kernel ended")
     ranks.close()

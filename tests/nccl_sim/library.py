@@ -90,7 +90,7 @@ class SimNccl:
     def __init__(self, *, launch_polls: int = 2, stuck_launch: bool = False, hang_op: bool = False,
                  init_delay: float = 0.0, jitter: float = 0.0, linger_s: float = 0.0,
                  raise_flag: bool = True, deaf_to_flag: bool = False, refuse_calls: int = 0,
-                 stuck_from: int = 0, error_after_launch: bool = False):
+                 stuck_from: int = 0, error_after_launch: bool = False, gate_kernels: bool = False):
         self.launch_polls, self.stuck_launch, self.hang_op = launch_polls, stuck_launch, hang_op
         self.stuck_from = stuck_from         # stuck_launch holds a comm's launches from this one on
         # error_after_launch: ncclGroupEnd enqueues the group's kernel and then answers an error
@@ -106,6 +106,10 @@ class SimNccl:
         self.release = threading.Event()
         self.refuse_calls = refuse_calls
         self.linger_s = linger_s             # a hung kernel runs this long after the abort
+        # gate_kernels: a hung kernel ends after the abort only once the test opens ``kernel_gate``
+        self.kernel_gate = threading.Event()
+        if not gate_kernels:
+            self.kernel_gate.set()
         self.init_delay, self.jitter = init_delay, jitter
         self.comms: dict[int, SimComm] = {}
         self.on_abort: list = []             # tests: fn(comm) run inside ncclCommAbort
