@@ -82,6 +82,7 @@ class NcclEngine(NcclOps, Launching, Forming):
         self.comm_kind: str | None = None
         self._launch_since: float | None = None   # when the launch in progress began
         self._codes: dict = {}                    # dtype, (op, dtype) -> NCCL codes, computed once
+        self._last_codes: tuple = (None, None, 0, 0)   # the last allreduce's op, dtype and their codes
         self._fns: dict = {}                      # call name -> (kind, address) of its NCCL function
         self._native = None                       # the native Launcher (native.py), bound at the first op
         self._follow_ev = None                    # the pooled event through which launches follow the caller

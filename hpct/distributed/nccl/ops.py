@@ -60,15 +60,17 @@ class NcclOps:
         if len(tensors) != 1:
             return self.allreduce_coalesced(tensors, op)
         t = tensors[0]
+        dtype, last = t.dtype, self._last_codes
+        # The last (op, dtype) and their codes, compared by identity: hashing a ReduceOp costs
+        # 0.2 us, and a training loop reduces one dtype with one op.
+        if last[0] is op and last[1] is dtype and self._fns and t.is_contiguous():   # DDP's buckets
+            p = t.data_ptr()
+            return self._submit_one("allreduce", tensors, [self._fns["all_reduce"] + (p, p, t.numel(), last[2], last[3])])
         codes = self._codes
-        dt = codes.get(t.dtype)                   # known only for real dtypes (never complex)
-        if dt is not None and self._fns and t.is_contiguous():      # DDP's buckets: no staging
-            try:
-                code = codes.get((op, t.dtype))   # _op's cache (a plain ReduceOp is its own kind)
-            except TypeError:                     # an unhashable op object
-                code = None
-            if code is None:
-                code = self._op(op, t)
+        dt = codes.get(dtype)                     # known only for real dtypes (never complex)
+        if dt is not None and self._fns and t.is_contiguous():      # staging not needed
+            code = self._op(op, t)
+            self._last_codes = (op, dtype, dt, code)
             p = t.data_ptr()
             return self._submit_one("allreduce", tensors, [self._fns["all_reduce"] + (p, p, t.numel(), dt, code)])
         return self._reduce_all("allreduce", tensors, op)
