@@ -17,8 +17,7 @@ why each is needed):
    host stream and its scratch event.  A held call is first woken by raising the comm's abort
    flags alone (``ncclCommRaiseAbortFlag``, hpct's NCCL patch: an atomic store, no lock) and
    the native launch's own (``flag``: a launch that sees it before its group calls nothing);
-   abort
-   then waits at most ``ABORT_HELD_S`` for the call to return and release the lock.  A call that
+   abort then waits at most ``ABORT_HELD_S`` for the call to return and release the lock.  A call that
    does not return in that time leaves the comm **leaked**: never freed under the call; a reaper
    thread aborts it if the call ever returns.  A libnccl without the patch cannot wake a held
    call, so the engine uses non-blocking comms there, whose calls return at once (engine.py).
