@@ -189,7 +189,7 @@ def test_a_launch_that_fails_after_enqueueing_keeps_its_buffers_until_the_kernel
     """ncclGroupEnd enqueued the kernel, then answered an error: the op's end event is recorded
     at once and its staging buffer lives until that event completes (the abort ends the kernel a
     little later).  Before: no event was recorded on that path and the buffer was dropped at once."""
-    lib = SimNccl(error_after_launch=True, linger_s=0.5)
+    lib = SimNccl(error_after_launch=True, gate_kernels=True)      # the kernels end when the test says
     ranks = Ranks(2, lib=lib, blocking=True)
     refs = {}
 
@@ -202,6 +202,7 @@ def test_a_launch_that_fails_after_enqueueing_keeps_its_buffers_until_the_kernel
     assert ranks.run(body) == [True, True]
     gc.collect()
     assert [refs[r]() is not None for r in range(2)] == [True, True], "freed while its kernel may run"
+    lib.kernel_gate.set()
     until(lambda: (gc.collect() or True) and all(refs[r]() is None for r in range(2)), 10,
           "the buffers were not released after the kernel ended")
     ranks.close()
