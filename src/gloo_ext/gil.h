@@ -2,6 +2,8 @@
 #pragma once
 #include <Python.h>
 
+#include <cxxabi.h>
+
 #include <exception>
 
 namespace hpct {
@@ -10,13 +12,17 @@ namespace hpct {
 // a destructor (py::gil_scoped_release): when the interpreter finalizes while
 // a daemon thread is in here, taking the GIL back ends that thread by
 // unwinding its stack, and an unwind through a destructor (noexcept) is
-// std::terminate: the whole process dies at exit.
+// std::terminate: the whole process dies at exit.  The same end can come from inside `body`, when
+// it calls back into Python (the test doubles' ctypes callbacks): that unwind is let through, for a
+// catch that swallowed it would be std::terminate too.
 template <typename F>
 void without_gil(F&& body) {
   PyThreadState* saved = PyEval_SaveThread();
   std::exception_ptr failure;
   try {
     body();
+  } catch (abi::__forced_unwind&) {
+    throw;
   } catch (...) {
     failure = std::current_exception();
   }
