@@ -9,7 +9,7 @@
 #     64 MiB per call (less the working tree that travels with it).  ci/gpu_pack.py does the work.
 #
 # On the device (one H100/H200, from the carried pack; nothing is built there)
-#   ci/gpu.sh [--from DIR] [--phase smoke|proof|more|overhead|held|faults|speed|ddp|start|plan|all] [--budget-s S] [--mps]
+#   ci/gpu.sh [--from DIR] [--phase smoke|proof|more|overhead|held|faults|speed|speed61|ddp|start|plan|all] [--budget-s S] [--mps]
 #     preflight (Python 3.12, torch 2.11.x+cu130, driver >= 580, an sm_90 device, the pack's
 #     sha256s), install (pip --no-index --no-deps --target), then the phase's tests, both stacks
 #     on the pack's libnccl (LD_PRELOAD) with NCCL_ALGO=Ring NCCL_PROTO=Simple and one channel.

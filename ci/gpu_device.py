@@ -2,7 +2,7 @@
 """The device side of the GPU proof: check the machine, install from the pack, run the proof.
 
     python3 ci/gpu_device.py preflight [--from DIR] [--json FILE]
-    python3 ci/gpu_device.py run [--from DIR] [--work DIR] [--phase smoke|proof|more|overhead|held|faults|speed|ddp|start|plan|all]
+    python3 ci/gpu_device.py run [--from DIR] [--work DIR] [--phase smoke|proof|more|overhead|held|faults|speed|speed61|ddp|start|plan|all]
                                  [--report DIR] [--budget-s SECONDS] [--mps]
 
 Nothing is built here: the pack (ci/gpu_pack.py, made on the CPU machine) carries the patched
@@ -74,6 +74,9 @@ PHASES["start"] = (PHASES["smoke"] + [PHASES["proof"][0], PHASES["proof"][2]] + 
 # every fault path; the second runs "speed" under MPS.
 PHASES["plan"] = PHASES["smoke"] + PHASES["proof"][:3] + PHASES["faults"]
 PHASES["ddp"] = PHASES["speed"][:1]
+# Issue 61 (under MPS): the per-op host times against their targets, then the A/B DDP step.  The
+# device plan: `--phase plan`, then, while warm, `--mps --phase speed61` (docs/gpu-proof.md 9).
+PHASES["speed61"] = PHASES["overhead"] + [_T + "test_ddp_step_ab_in_one_process"]
 
 
 # ------------------------------------------------------------------------------ the machine

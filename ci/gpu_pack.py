@@ -42,7 +42,8 @@ EXIT_REFUSED, EXIT_BUILD = 4, 5
 TEST_WHEELS = (("pytest", "9.0.3", "pytest"), ("pluggy", "1.6.0", "pluggy"), ("iniconfig", "2.3.0", "iniconfig"),
                ("packaging", "26.2", "packaging"), ("pygments", "2.20.0", "pygments"))
 PROOF_FILES = ("tests/gpu/test_gpu_proof.py", "tests/gpu/worker.py", "tests/gpu/worker_faults.py",
-               "tests/gpu/worker_speed.py", "tests/gpu/proof_settings.py", "tests/gpu/verdicts.py")
+               "tests/gpu/worker_speed.py", "tests/gpu/worker_ab.py", "tests/gpu/proof_settings.py",
+               "tests/gpu/verdicts.py", "tests/gpu/targets.py")
 PYTEST_INI = ("[pytest]\n# The GPU proof's own configuration (the checkout's tests/conftest.py is not used).\n"
               "markers =\n    gpu: needs a CUDA device\naddopts = -ra --strict-markers -p no:cacheprovider\n")
 

@@ -9,6 +9,7 @@ test when a rank is still running at the deadline: nothing here may hang.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -65,6 +66,15 @@ class Ranks:
     def close(self) -> None:
         for e in self.engines:
             e.shutdown(5.0)
+
+
+def until(cond, seconds: float, what: str) -> None:
+    """Wait for ``cond()``, failing the test with ``what`` after ``seconds``."""
+    end = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > end:
+            pytest.fail(f"{what} within {seconds:g} s")
+        time.sleep(0.005)
 
 
 @pytest.fixture

@@ -7,7 +7,8 @@ C++ noexcept frames aborts the process ("terminate called without an active exce
 nccl/watchdog.py stops and joins every engine's threads at exit.
 
 The child runs the engine's own code over a null NCCL and a null CUDA runtime (every call succeeds
-at once; futures are torch's CPU futures, whose set_result is the same C++ path).  What this proves:
+at once, each event reads as not ended when first asked, so every future goes through the native
+completer; futures are torch's CPU futures, whose set_result is the same C++ path).  What this proves:
 the engine's threads are out of torch's C++ before finalization.  What only a GPU proves: the same
 for a real event's synchronize (a kernel that never ends keeps its thread there past the bound).
 """
@@ -34,7 +35,7 @@ from nccl_sim.null import NullNccl, NullRuntime
 lib = NullNccl(group_end_result=nccl_lib.IN_PROGRESS)     # non-blocking: each launch settles
 eng = NcclEngine(rank=0, size=1, global_ranks=[0], generation=0, group_index=0, group_name="exit",
                  listen_addr="127.0.0.1:1", addresses=["127.0.0.1:1"], job_key=1, connect_timeout=5,
-                 op_timeout=30, library=lib, load=lambda: lib, runtime=NullRuntime())
+                 op_timeout=30, library=lib, load=lambda: lib, runtime=NullRuntime(pending=True))
 t = torch.ones(1)
 for _ in range(int(sys.argv[1])):
     w = eng.allreduce([t], dist.ReduceOp.SUM)

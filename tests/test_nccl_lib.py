@@ -5,6 +5,7 @@ fake NCCL: what needs a device is in tests/gpu (ci/gpu.sh)."""
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import importlib.util
 import os
@@ -75,6 +76,10 @@ def test_stock_library_loads_with_its_version_and_no_rootless_call(stock_nccl):
     assert not lib.has_rootless
     assert not lib.has_revoke          # ncclCommRevoke is 2.28+
     assert "hpct" not in repr(lib) and "rootless=no" in repr(lib)
+    # The native launch's functions, resolved once, are the library's own exports.
+    table = lib.addresses()
+    assert table["ncclAllReduce"] == ctypes.cast(lib._dll.ncclAllReduce, ctypes.c_void_p).value
+    assert {k for k, v in table.items() if v} == {"ncclGroupStart", "ncclGroupEnd", *nccl_lib.OP_FUNCTIONS.values()}
 
 
 def test_stock_library_without_rootless_call_gives_the_fix(stock_nccl):

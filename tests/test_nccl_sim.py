@@ -371,9 +371,9 @@ def test_kept_tensors_outlive_the_abort_that_ends_their_kernel(no_breach):
 def test_a_dropped_failed_op_keeps_its_tensors_until_its_kernel_ends_after_the_abort(no_breach):
     """Defect 13 with futures made on demand: nobody asked this op for a future and the caller
     dropped its Work, so only the completer holds it -- until the kernel, which the abort ends
-    a little later (``linger_s``), has ended.  Freed at the abort, the buffer could be handed to
-    another tensor while the kernel still writes it."""
-    lib = SimNccl(hang_op=True, linger_s=1.0)
+    a little later (here: when the test opens the gate), has ended.  Freed at the abort, the
+    buffer could be handed to another tensor while the kernel still writes it."""
+    lib = SimNccl(hang_op=True, gate_kernels=True)
     ranks = Ranks(2, lib=lib)
     refs = {}
 
@@ -388,6 +388,7 @@ def test_a_dropped_failed_op_keeps_its_tensors_until_its_kernel_ends_after_the_a
         e.abort("the test aborts it")
     gc.collect()
     assert [refs[r]() is not None for r in range(2)] == [True, True], "freed while its kernel still ran"
+    lib.kernel_gate.set()
     end = time.monotonic() + 10
     while any(refs[r]() is not None for r in range(2)) and time.monotonic() < end:
         time.sleep(0.02)
@@ -405,7 +406,7 @@ def test_a_plain_collective_never_reaches_the_completer_and_its_buffers_go_after
         w = e.allreduce([out])
         staging = weakref.ref(next(t for t in w._keep if t is not out))
         w.wait()
-        assert w._raw is None and all(q is not w for q in e._watchers._queue)
+        assert w._raw is None and e._watchers.queued == 0
         del w
         end = time.monotonic() + 5
         while staging() is not None and time.monotonic() < end:

@@ -29,18 +29,10 @@ from hpct.ports import free_port_block
 from nccl_sim import runtime as sim_runtime
 from nccl_sim.library import SimNccl
 from nccl_sim.runtime import SimRuntime, capture
-from sim_ranks import Ranks, no_breach  # noqa: F401 -- a fixture
+from sim_ranks import Ranks, no_breach, until  # noqa: F401 -- a fixture
 
 pytestmark = [pytest.mark.nccl_sim]
 R = dist.ReduceOp
-
-
-def until(cond, seconds: float, what: str) -> None:
-    end = time.monotonic() + seconds
-    while not cond():
-        if time.monotonic() > end:
-            pytest.fail(f"{what} within {seconds:g} s")
-        time.sleep(0.01)
 
 
 def in_thread(fn):
@@ -197,7 +189,7 @@ def test_a_launch_that_fails_after_enqueueing_keeps_its_buffers_until_the_kernel
     """ncclGroupEnd enqueued the kernel, then answered an error: the op's end event is recorded
     at once and its staging buffer lives until that event completes (the abort ends the kernel a
     little later).  Before: no event was recorded on that path and the buffer was dropped at once."""
-    lib = SimNccl(error_after_launch=True, linger_s=0.5)
+    lib = SimNccl(error_after_launch=True, gate_kernels=True)      # the kernels end when the test says
     ranks = Ranks(2, lib=lib, blocking=True)
     refs = {}
 
@@ -210,6 +202,7 @@ def test_a_launch_that_fails_after_enqueueing_keeps_its_buffers_until_the_kernel
     assert ranks.run(body) == [True, True]
     gc.collect()
     assert [refs[r]() is not None for r in range(2)] == [True, True], "freed while its kernel may run"
+    lib.kernel_gate.set()
     until(lambda: (gc.collect() or True) and all(refs[r]() is None for r in range(2)), 10,
           "the buffers were not released after the kernel ended")
     ranks.close()
@@ -279,7 +272,8 @@ def test_a_side_thread_query_during_a_global_capture_is_a_breach():
     while another thread captures is recorded as a breach."""
     rt = SimRuntime()
     stream, handle = rt.new_stream(None)
-    ev = rt.record(handle)
+    ev = rt.take()
+    rt._record(ev, handle)
     before = len(nccl_sim.BREACHES)
     inside, leave = threading.Event(), threading.Event()
 

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "gil.h"
 #include "small.h"
 #include "gloo/allgather.h"
 #include "gloo/allreduce.h"
@@ -117,26 +118,6 @@ void translate(std::exception_ptr p) {
     PyErr_SetString(g_gloo_error, e.what());
   } catch (const gloo::EnforceNotMet& e) {
     PyErr_SetString(g_gloo_error, e.what());
-  }
-}
-
-// Run `body` without the GIL.  The GIL is taken back in a plain call, not in
-// a destructor (py::gil_scoped_release): when the interpreter finalizes while
-// a daemon thread is in here, taking the GIL back ends that thread by
-// unwinding its stack, and an unwind through a destructor (noexcept) is
-// std::terminate: the whole process dies at exit.
-template <typename F>
-void without_gil(F&& body) {
-  PyThreadState* saved = PyEval_SaveThread();
-  std::exception_ptr failure;
-  try {
-    body();
-  } catch (...) {
-    failure = std::current_exception();
-  }
-  PyEval_RestoreThread(saved);
-  if (failure) {
-    std::rethrow_exception(failure);
   }
 }
 

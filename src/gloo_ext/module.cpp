@@ -8,4 +8,5 @@ PYBIND11_MODULE(_gloo, m) {
   m.doc() = "hpct's patched Gloo (symbols local to this module)";
   hpct::bind_info(m);
   hpct::bind_context(m);
+  hpct::bind_launch(m);
 }

@@ -76,7 +76,9 @@ if mode == "graph":
     def capture():
         with torch.cuda.graph(g):                  # right after the warm-ups: they may still be in flight
             eng.allreduce([y]).wait()
-        return f"engine stream capturing after: {eng.runtime.capturing(dev)}"
+        with torch.cuda.stream(eng._stream):
+            capturing = torch.cuda.is_current_stream_capturing()
+        return f"engine stream capturing after: {capturing}"
     stage("capture", 30, capture)
 
     def replay():

@@ -65,6 +65,7 @@ class Kernel:
             if self.hang:                      # an op that never completes: ends at the abort only
                 comm.aborted.wait(HANG_S)
                 time.sleep(self.linger_s)      # a real kernel notices the abort flag a little later
+                comm.lib.kernel_gate.wait(HANG_S)
                 return
             if comm.aborted.is_set():          # an aborted comm's kernels exit at once
                 return

@@ -34,6 +34,7 @@ from hpct.distributed.nccl import library as nccl_lib
 
 from . import breach
 from .bootstrap import RingError, listen, ring_addresses, split_addr
+from .callbacks import COLL, GATHER, GROUP, NCCL_INTERNAL_ERROR, P2P, ROOTED, Table
 from .kernels import Kernel
 from .runtime import CAPTURES, HANG_S, STREAMS
 
@@ -89,7 +90,7 @@ class SimNccl:
     def __init__(self, *, launch_polls: int = 2, stuck_launch: bool = False, hang_op: bool = False,
                  init_delay: float = 0.0, jitter: float = 0.0, linger_s: float = 0.0,
                  raise_flag: bool = True, deaf_to_flag: bool = False, refuse_calls: int = 0,
-                 stuck_from: int = 0, error_after_launch: bool = False):
+                 stuck_from: int = 0, error_after_launch: bool = False, gate_kernels: bool = False):
         self.launch_polls, self.stuck_launch, self.hang_op = launch_polls, stuck_launch, hang_op
         self.stuck_from = stuck_from         # stuck_launch holds a comm's launches from this one on
         # error_after_launch: ncclGroupEnd enqueues the group's kernel and then answers an error
@@ -105,11 +106,17 @@ class SimNccl:
         self.release = threading.Event()
         self.refuse_calls = refuse_calls
         self.linger_s = linger_s             # a hung kernel runs this long after the abort
+        # gate_kernels: a hung kernel ends after the abort only once the test opens ``kernel_gate``
+        self.kernel_gate = threading.Event()
+        if not gate_kernels:
+            self.kernel_gate.set()
         self.init_delay, self.jitter = init_delay, jitter
         self.comms: dict[int, SimComm] = {}
         self.on_abort: list = []             # tests: fn(comm) run inside ncclCommAbort
         self._group = threading.local()
         self._lock = threading.Lock()
+        self._table: Table | None = None
+        self.group_starts = 0                # ncclGroupStart calls (tests: what a launch reached)
 
     # ---- the rules ---------------------------------------------------------------------------
     def _enter(self, handle, call: str, *, abort: bool = False) -> SimComm:
@@ -194,8 +201,19 @@ class SimNccl:
             comm.aborted.set()
         return SUCCESS
 
-    def fn(self, name: str):
-        return getattr(self, name)
+    def addresses(self) -> dict[str, int]:
+        """The functions the engine's native launch calls: callbacks into this library."""
+        if self._table is None:
+            t = Table()
+            t.add("ncclGroupStart", GROUP, self.group_start, NCCL_INTERNAL_ERROR)
+            t.add("ncclGroupEnd", GROUP, self.group_end, NCCL_INTERNAL_ERROR)
+            for name, proto, method in (("ncclAllReduce", COLL, self.all_reduce), ("ncclBroadcast", COLL, self.broadcast),
+                                        ("ncclReduceScatter", COLL, self.reduce_scatter),
+                                        ("ncclReduce", ROOTED, self.reduce), ("ncclAllGather", GATHER, self.all_gather),
+                                        ("ncclSend", P2P, self.send), ("ncclRecv", P2P, self.recv)):
+                t.add(name, proto, method, NCCL_INTERNAL_ERROR)
+            self._table = t
+        return dict(self._table.addresses)
 
     def _form(self, comm: SimComm) -> None:
         from hpct import _gloo
@@ -297,6 +315,7 @@ class SimNccl:
             raise breach("nested ncclGroupStart on one thread (the engine never nests)")
         self._group.ops = []
         self._group.error = SUCCESS
+        self.group_starts += 1
         return SUCCESS
 
     def group_end(self) -> int:

@@ -1,9 +1,12 @@
 """The simulated CUDA runtime: the same methods as hpct.distributed.nccl.device.CudaRuntime.
 
 A stream is a thread that runs what is enqueued on it, in order; an event completes when its
-stream reaches it.  The caller's current stream is the host itself: what the caller did is
-done, so ``follow`` has nothing to wait for and ``stream_wait`` is a host wait.  Tensors are
-CPU tensors; the device type the engine serves is "cpu".
+stream reaches its latest record (recording an event again makes it stand for the new point, as
+CUDA's do).  The caller's current stream is the host itself (handle ``HOST``): what the caller did
+is done, so an event recorded there has completed, and a wait of the host for an event blocks.
+Tensors are CPU tensors; the device type the engine serves is "cpu".  Events are integer handles,
+as the driver's are: the engine's native launch records them and makes streams wait through the
+callbacks of ``addresses()`` (callbacks.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 import torch
 
 from . import breach
+from .callbacks import CAPTURING, CUDA_ERROR_UNKNOWN, RECORD, SYNC, WAIT, Table
 
 HANG_S = 300.0            # a host wait longer than this is a hang in the test, not a slow op
 IDLE_S = 1.0              # a stream's thread ends after this long with nothing to run
@@ -57,13 +61,35 @@ class SimStream:
                 self.errors.append(f"{type(err).__name__}: {err}")
 
 
-class SimEvent:
-    def __init__(self, captured: bool):
-        self.captured = captured
-        self._done = threading.Event()
+HOST = 0                                  # the caller's current stream: the host
 
-    def complete(self) -> None:
-        self._done.set()
+
+class SimEvent:
+    """``target``: its records so far; ``reached``: the newest record its stream has reached."""
+
+    def __init__(self):
+        self.captured = False
+        self.target = 0
+        self.reached = 0
+        self._cv = threading.Condition()
+
+    def arm(self, captured: bool) -> int:
+        with self._cv:
+            self.target += 1
+            self.captured = captured
+            return self.target
+
+    def reach(self, k: int) -> None:
+        with self._cv:
+            self.reached = max(self.reached, k)
+            self._cv.notify_all()
+
+    def done(self) -> bool:
+        return self.reached >= self.target
+
+    def wait(self, seconds: float) -> bool:
+        with self._cv:
+            return self._cv.wait_for(self.done, seconds)
 
 
 def _check_query(event: SimEvent, call: str) -> None:
@@ -84,6 +110,24 @@ class SimRuntime:
 
     device_type = "cpu"
 
+    def __init__(self):
+        self.events: dict[int, SimEvent] = {}
+        self._pool: list[int] = []
+        self._ids = itertools.count(0xE000)
+        self.on_capture_check: list = []   # tests: fn() run inside cuStreamIsCapturing (within a launch)
+        self.capture_check_error = 0         # tests: cuStreamIsCapturing answers this CUDA error
+        self._table = Table()
+        for name, proto, fn in (("cuEventRecord", RECORD, self._record), ("cuStreamWaitEvent", WAIT, self._wait),
+                                ("cuStreamIsCapturing", CAPTURING, self._capturing),
+                                ("cuEventSynchronize", SYNC, self._sync)):
+            self._table.add(name, proto, fn, CUDA_ERROR_UNKNOWN)
+
+    def addresses(self) -> dict[str, int]:
+        return dict(self._table.addresses)
+
+    def driver_error(self, rc: int, what: str) -> RuntimeError:
+        return RuntimeError(f"{what}: simulated CUDA driver error {rc}")
+
     def available(self) -> bool:
         return True
 
@@ -97,8 +141,8 @@ class SimRuntime:
         s = SimStream()
         return s, s.id
 
-    def follow(self, stream: int, dev) -> None:
-        pass                               # the caller's work so far is done: it ran on the host
+    def current(self, dev) -> int:
+        return HOST
 
     @contextlib.contextmanager
     def on(self, dev, stream):
@@ -110,32 +154,73 @@ class SimRuntime:
     def enqueue(self, dev, stream: SimStream, fn) -> None:
         stream.put(fn)
 
-    def record(self, stream: int) -> SimEvent:
-        ev = SimEvent(self.capturing(None))
-        STREAMS[stream].put(ev.complete)
+    # ---- events: the driver's calls (callbacks of the native launch) and the engine's ------------
+    def take(self) -> int:
+        try:
+            return self._pool.pop()
+        except IndexError:
+            h = next(self._ids)
+            self.events[h] = SimEvent()
+            return h
+
+    def release(self, event: int) -> None:
+        self._pool.append(event)
+
+    def _event(self, handle: int, call: str) -> SimEvent:
+        ev = self.events.get(handle)
+        if ev is None:
+            raise breach(f"{call} on an unknown event handle {handle:#x}")
         return ev
 
-    def release(self, event: SimEvent) -> None:
-        pass
+    def _record(self, event: int, stream: int) -> int:
+        ev = self._event(event, "cuEventRecord")
+        k = ev.arm(self._capturing_now())       # recorded into the caller's capture: the graph's event
+        if stream == HOST:
+            ev.reach(k)
+        else:
+            STREAMS[stream].put(lambda: ev.reach(k))
+        return 0
 
-    def done(self, event: SimEvent) -> bool:
-        _check_query(event, "cudaEventQuery")
-        return event._done.is_set()
+    def _wait(self, stream: int, event: int, flags: int) -> int:
+        ev = self._event(event, "cuStreamWaitEvent")
+        if stream == HOST:                 # the caller's stream waits: a host wait, but not for a graph's event
+            if not ev.captured:
+                self.host_wait(event)
+        elif not ev.done():
+            target = ev.target
+            STREAMS[stream].put(lambda: ev.wait(HANG_S) or breach("a stream waited for an event that "
+                                                                   f"never reached record {target}"))
+        return 0
 
-    def host_wait(self, event: SimEvent) -> None:
-        _check_query(event, "cudaEventSynchronize")
-        if not event._done.wait(HANG_S):
-            raise breach(f"a host wait on an event did not end within {HANG_S:g} s (a hang)")
+    def _capturing(self, stream: int, out) -> int:
+        for fn in list(self.on_capture_check):
+            fn()
+        if self.capture_check_error:
+            return self.capture_check_error
+        out[0] = 1 if stream == HOST and self._capturing_now() else 0
+        return 0
 
-    def stream_wait(self, dev, event: SimEvent) -> None:
-        if not event.captured:
-            self.host_wait(event)
+    def _sync(self, event: int) -> int:
+        self.host_wait(event)
+        return 0
 
-    def capturing(self, dev) -> bool:
+    @staticmethod
+    def _capturing_now() -> bool:
         return threading.get_ident() in CAPTURES
 
-    def future(self) -> torch.futures.Future:
-        return torch.futures.Future()
+    def done(self, event: int) -> bool:
+        ev = self._event(event, "cudaEventQuery")
+        _check_query(ev, "cudaEventQuery")
+        return ev.done()
+
+    def host_wait(self, event: int) -> None:
+        ev = self._event(event, "cudaEventSynchronize")
+        _check_query(ev, "cudaEventSynchronize")
+        if not ev.wait(HANG_S):
+            raise breach(f"a host wait on an event did not end within {HANG_S:g} s (a hang)")
+
+    def future(self):
+        return torch._C.Future([])
 
     def capability(self, dev) -> tuple[int, int]:
         return CAPABILITY

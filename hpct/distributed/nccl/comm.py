@@ -15,8 +15,9 @@ why each is needed):
 4. **ncclCommAbort runs only under the lock**: NCCL allows abort only while no other thread
    is inside a call on the same comm, because ``commFree`` frees the comm, its abort flag, its
    host stream and its scratch event.  A held call is first woken by raising the comm's abort
-   flags alone (``ncclCommRaiseAbortFlag``, hpct's NCCL patch: an atomic store, no lock); abort
-   then waits at most ``ABORT_HELD_S`` for the call to return and release the lock.  A call that
+   flags alone (``ncclCommRaiseAbortFlag``, hpct's NCCL patch: an atomic store, no lock) and
+   the native launch's own (``flag``: a launch that sees it before its group calls nothing);
+   abort then waits at most ``ABORT_HELD_S`` for the call to return and release the lock.  A call that
    does not return in that time leaves the comm **leaked**: never freed under the call; a reaper
    thread aborts it if the call ever returns.  A libnccl without the patch cannot wake a held
    call, so the engine uses non-blocking comms there, whose calls return at once (engine.py).
@@ -31,9 +32,10 @@ import ctypes
 import os
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable
 
 from . import library as nccl_lib
+from .native import AbortFlag
 
 ABORT_HELD_S = 5.0        # how long abort waits for a held call to return after raising the flag
 ABORT_BOUND_S = 10.0      # how long ncclCommAbort itself may take before the caller goes on
@@ -41,9 +43,8 @@ RAISE_EVERY_S = 0.002     # while waiting, the flag is raised again (a blocking 
 SPIN_POLLS = 2000         # polls (each followed by sched_yield) before a wait starts sleeping
 MAX_BACKOFF_S = 0.001     # the longest sleep between two polls of a long wait
 
-# A call of an op: (the function, its arguments before comm and stream), all computed before
-# ncclGroupStart so nothing can raise between the group's start and its end.
-Call = tuple[Callable, tuple]
+# A call of an op is (kind, function address, its arguments before comm and stream), all
+# computed before the launch (native.py), so nothing can raise between the group's start and end.
 
 ENDED = -1                # poll()'s answer once the comm has ended (no NCCL result has this value)
 ABORTED, LEAKED = "aborted", "leaked"
@@ -59,8 +60,10 @@ class Communicator:
     The handle lives in ``box`` (a ``c_void_p``) from before the init call: NCCL fills it in
     before a blocking init runs, so abort can raise its flag from another thread."""
 
-    def __init__(self, lib, describe: str):
+    def __init__(self, lib, describe: str, launcher=None):
         self.lib = lib
+        self.launcher = launcher      # the engine's native Launcher (native.py)
+        self.flag = AbortFlag()       # the native launch's view of the abort flag
         self.box = ctypes.c_void_p()
         self.describe = describe
         self.lock = threading.Lock()
@@ -113,26 +116,16 @@ class Communicator:
         finally:
             self.lock.release()
 
-    def launch(self, calls: Sequence[Call], stream: int) -> tuple[int, bool]:
-        """One NCCL group of ``calls`` on ``stream``, under the lock: (result, refused), where
-        ``refused`` says an op's own call answered ncclInvalidArgument (NCCL then ends the group
-        without launching any of it and the comm stays usable).  CommEnded when ended."""
-        lib = self.lib
+    def launch(self, calls: list, caller: int, stream: int, follow_event: int, end) -> int:
+        """One native launch under the lock (native.py): the engine stream follows ``caller``
+        through ``follow_event`` (0: the ops followed it when issued), one NCCL group of
+        ``calls`` on ``stream``, then the end event(s) ``end``.  Returns the launch's bits; an op
+        whose own call answered ncclInvalidArgument is REFUSED (NCCL ended the group without
+        launching any of it and the comm stays usable).  CommEnded when ended."""
         with self.lock:
             if self._ending or self._ended:
                 raise CommEnded(self.end_how or "ending")
-            handle = self.box.value
-            first = lib.group_start()
-            refused = False
-            if first == nccl_lib.SUCCESS:
-                for fn, args in calls:
-                    rc = fn(*args, handle, stream)
-                    if rc and not first:
-                        first, refused = rc, rc == nccl_lib.INVALID_ARGUMENT
-                end = lib.group_end()        # the group must be ended even after an op refused
-            else:
-                end = first
-        return (first or end), refused
+            return self.launcher.launch(self.flag, self.box.value or 0, caller, stream, follow_event, end, calls)
 
     def settle(self, seconds: float, *, stop: Callable[[], bool] = lambda: False) -> int:
         """Poll until the comm leaves ncclInProgress or ``seconds`` pass; the last state.
@@ -156,6 +149,7 @@ class Communicator:
 
     # ---- the end -----------------------------------------------------------------------------
     def _raise_flag(self) -> None:
+        self.flag.raise_flag()
         handle = self.box.value
         if handle is not None and self.lib.has_raise_abort:
             self.lib.raise_abort(handle)

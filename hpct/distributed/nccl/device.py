@@ -8,21 +8,23 @@ code on a machine without a GPU.  The real one below is what a GPU run uses.
 Semantics the engine relies on (CUDA's, and what the double reproduces):
 - work enqueued on a stream runs in order after everything enqueued before it, so the end
   events of the ops of one engine stream complete in launch order;
-- ``follow(stream, dev)``: the stream runs what comes next only after the caller's current
-  stream has finished what it has so far (an event, no host wait);
-- ``record(stream)`` records a pooled event; ``done`` polls it, ``host_wait`` blocks the host
-  with the GIL released, ``stream_wait`` makes the caller's current stream wait (no host
-  block), ``release`` gives it back once nobody will ask about it again;
+- ``addresses()``: the driver functions the native launch calls (native.py): it makes the
+  engine stream follow the caller's current stream (``current(dev)``) through a pooled event
+  (a record there, a wait here: no host wait), checks whether that stream is being captured,
+  records each op's end event, and makes the caller's stream wait for one (``Work.wait``);
+  the completer waits for events with ``cuEventSynchronize``;
+- ``take()`` gives a pooled event; ``done`` polls it, ``host_wait`` blocks the host with the
+  GIL released, ``release`` gives it back once nobody will ask about it again;
 - ``helper(dev)``: a helper thread (watchdog, completer) makes ``dev`` current and puts
   itself into thread-local stream-capture mode, as ProcessGroupNCCL's watchdog does: in the
   default (global) mode a query from any thread while another thread captures a CUDA graph
   fails and invalidates that capture;
 - ``enqueue(dev, stream, fn)`` runs host code that launches device work (a copy, a stack) so
   that the work lands on ``stream`` in order;
-- work launched while the caller's stream is being captured (``capturing``) must not be polled
-  or waited for by the host: its events belong to the graph.
+- work launched while the caller's stream is being captured must not be polled or waited
+  for by the host: its events belong to the graph.
 
-Why driver calls through ctypes and not torch.cuda objects: on an H200 host, per small op,
+Why driver calls (native, or through ctypes) and not torch.cuda objects: on an H200 host, per small op,
 ``torch.cuda.current_stream()`` cost 5.5-7.2 us (0.11 us for the raw handle), a new
 ``torch.cuda.Event`` per ``wait_stream`` 7.1 us, ``with device, stream`` 12.7-15.2 us; the
 same group driven through a pool of driver events cost 7.9-8.5 us against 26.4 us.
@@ -60,11 +62,14 @@ class Driver:
             fn.restype, fn.argtypes = ctypes.c_int, args
             setattr(self, name_, fn)
 
+    def error(self, rc: int, what: str) -> CudaDriverError:
+        text = ctypes.c_char_p()
+        self.cuGetErrorName(rc, ctypes.byref(text))
+        return CudaDriverError(f"{what}: CUDA driver error {rc} ({(text.value or b'?').decode()})")
+
     def check(self, rc: int, what: str) -> None:
         if rc:
-            text = ctypes.c_char_p()
-            self.cuGetErrorName(rc, ctypes.byref(text))
-            raise CudaDriverError(f"{what}: CUDA driver error {rc} ({(text.value or b'?').decode()})")
+            raise self.error(rc, what)
 
 
 class CudaRuntime:
@@ -88,9 +93,17 @@ class CudaRuntime:
     def _bind(self) -> None:
         torch.cuda.init()                     # libcuda is mapped and the primary context exists
         d = self._drv = Driver()
-        self._record_fn, self._wait_fn, self._query_fn = d.cuEventRecord, d.cuStreamWaitEvent, d.cuEventQuery
+        self._query_fn = d.cuEventQuery
         self._raw = torch._C._cuda_getCurrentRawStream
-        self._capturing_fn = d.cuStreamIsCapturing
+
+    def addresses(self) -> dict[str, int]:
+        """The driver functions the native launch and the completer call (native.py)."""
+        d = self.drv
+        return {name: ctypes.cast(getattr(d, name), ctypes.c_void_p).value
+                for name in ("cuEventRecord", "cuStreamWaitEvent", "cuStreamIsCapturing", "cuEventSynchronize")}
+
+    def driver_error(self, rc: int, what: str) -> CudaDriverError:
+        return self.drv.error(rc, what)
 
     def available(self) -> bool:
         return torch.cuda.is_available()
@@ -108,18 +121,12 @@ class CudaRuntime:
         return s, s.cuda_stream
 
     def current(self, dev: torch.device) -> int:
+        """The caller's current stream of ``dev`` (its cudaStream_t)."""
         return self._raw(dev.index)
 
-    def capturing(self, dev: torch.device) -> bool:
-        """Whether the caller's current stream of ``dev`` is being captured into a CUDA graph."""
-        out = ctypes.c_int(0)
-        rc = self._capturing_fn(self._raw(dev.index), ctypes.byref(out))
-        if rc:
-            self.drv.check(rc, "cuStreamIsCapturing")
-        return out.value != 0
-
     # ---- events ------------------------------------------------------------------------------
-    def _take(self) -> int:
+    def take(self) -> int:
+        """An idle event (from the pool, else a new one)."""
         try:
             return self._pool.pop()
         except IndexError:
@@ -134,20 +141,6 @@ class CudaRuntime:
         else:
             self.drv.cuEventDestroy_v2(ev)
 
-    def follow(self, stream: int, dev: torch.device) -> None:
-        ev = self._take()
-        rc = self._record_fn(ev, self._raw(dev.index)) or self._wait_fn(stream, ev, 0)
-        self._pool.append(ev)      # a wait binds the record it saw; re-recording the event later is safe
-        if rc:
-            self.drv.check(rc, "following the caller's stream (cuEventRecord, cuStreamWaitEvent)")
-
-    def record(self, stream: int) -> int:
-        ev = self._take()
-        rc = self._record_fn(ev, stream)
-        if rc:
-            self.drv.check(rc, "cuEventRecord")
-        return ev
-
     def done(self, ev: int) -> bool:
         rc = self._query_fn(ev)
         if rc == 0:
@@ -159,11 +152,6 @@ class CudaRuntime:
 
     def host_wait(self, ev: int) -> None:
         self.drv.check(self.drv.cuEventSynchronize(ev), "cuEventSynchronize")     # ctypes drops the GIL
-
-    def stream_wait(self, dev: torch.device, ev: int) -> None:
-        rc = self._wait_fn(self._raw(dev.index), ev, 0)
-        if rc:
-            self.drv.check(rc, "cuStreamWaitEvent")
 
     # ---- threads and host code on a stream -------------------------------------------------------
     def helper(self, dev: torch.device) -> None:
@@ -183,10 +171,11 @@ class CudaRuntime:
         with self.on(dev, stream):
             fn()
 
-    def future(self) -> torch.futures.Future:
-        """A plain future: the engine completes it only once the op's GPU work has ended, so a
-        consumer needs no stream wait (a CUDA-aware one cost 25-35 us per op to complete)."""
-        return torch.futures.Future()
+    def future(self):
+        """A plain future (torch's C++ one, as ProcessGroupNCCL's Work hands out): the engine
+        completes it only once the op's GPU work has ended, so a consumer needs no stream wait
+        (a CUDA-aware one cost 25-35 us per op to complete)."""
+        return torch._C.Future([])
 
     def capability(self, dev: torch.device) -> tuple[int, int]:
         return torch.cuda.get_device_capability(dev)

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 
 from ...errors import HpctArgumentError
-from . import find as nccl_find, library as nccl_lib
+from . import find as nccl_find, library as nccl_lib, native
 from .comm import LEAKED, Communicator
 from .device import CudaRuntime
 from .forming import Forming
@@ -82,13 +82,17 @@ class NcclEngine(NcclOps, Launching, Forming):
         self.comm_kind: str | None = None
         self._launch_since: float | None = None   # when the launch in progress began
         self._codes: dict = {}                    # dtype, (op, dtype) -> NCCL codes, computed once
-        self._fns: dict = {}                      # call name -> the library function it runs
+        self._last_codes: tuple = (None, None, 0, 0)   # the last allreduce's op, dtype and their codes
+        self._fns: dict = {}                      # call name -> (kind, address) of its NCCL function
+        self._native = None                       # the native Launcher (native.py), bound at the first op
+        self._follow_ev = None                    # the pooled event through which launches follow the caller
         self.runtime = runtime or CudaRuntime()
         self._lib = library
         self._load = load or nccl_find.load
         self._lock = threading.Lock()
         self._launch_lock = threading.Lock()
         self._device: torch.device | None = None
+        self._device_index = None                 # its index as Tensor.get_device() says it (-1: CPU)
         self._comm: Communicator | None = None    # set before its init: abort() reaches a forming comm
         self._formed = False
         self._stream = None                       # the stream object (keeps it alive) and its handle
@@ -100,6 +104,8 @@ class NcclEngine(NcclOps, Launching, Forming):
         self._batch: list[NcclWork] = []          # deferred launches (p2p, coalescing)
         self._coalescing = False
         self._captured = 0                        # ops launched into CUDA graph captures
+        self._launches = 0                        # launches so far: an op's sequence number
+        self._orphans: list[NcclWork] = []        # launched with no end event: kept for the engine's life
         self._watchers = Watchers(self)
 
     @property
@@ -126,9 +132,11 @@ class NcclEngine(NcclOps, Launching, Forming):
         return cls(f"{self._describe(what, peer)}: {cause}",
                    fix="call hpct.distributed.recover() to re-form the group")
 
-    def _fail(self, err: BaseException) -> None:
+    def _fail(self, err: BaseException, *, capturing: bool = False) -> None:
         """Fail the group once: fail every op not ended, hand the ops whose kernels may still run
-        to the completer (it keeps their tensors until their events complete), end the comm."""
+        to the completer (it keeps their tensors until their events complete), end the comm.
+        ``capturing``: the calling thread is capturing a CUDA graph, where an event query would
+        invalidate the capture: no op is asked whether it ended (all are failed and held)."""
         with self._lock:
             if self._failure is not None:
                 return
@@ -138,7 +146,7 @@ class NcclEngine(NcclOps, Launching, Forming):
             self._batch = []
             comm = self._comm
         for w in works:
-            if not w._poll():
+            if capturing or not w._poll():
                 w._fail(err)
         held = [w for w in works if w._event is not None and not w.captured and not w._done]
         if held:
@@ -225,10 +233,31 @@ class NcclEngine(NcclOps, Launching, Forming):
         return first
 
     def _ensure_stream(self, dev: torch.device) -> None:
+        self._bind_native()
         with self._lock:
             if self._stream is None:
                 self._stream, self._stream_h = self.runtime.new_stream(dev)
+                self._follow_ev = self.runtime.take()
                 self._device = dev
+                self._device_index = -1 if dev.index is None else dev.index
+
+    def _bind_native(self) -> None:
+        """The library's and the runtime's functions for the native launch, resolved once."""
+        if self._native is not None:
+            return
+        if self._lib is None:
+            self._lib = self._load()
+        launcher = native.launcher(self.runtime, self._lib)
+        fns = native.call_prefixes(self._lib)
+        with self._lock:
+            if self._native is None:
+                self._native, self._fns = launcher, fns
+
+    def _stream_wait(self, dev: torch.device, ev) -> None:
+        """The caller's current stream of ``dev`` waits for ``ev`` (no host wait)."""
+        rc = self._native.stream_wait(self.runtime.current(dev), ev)
+        if rc:
+            raise self.runtime.driver_error(rc, "the caller's stream waiting for the op (cuStreamWaitEvent)")
 
     def _refuse(self, err):
         """An op refused at the call.  While coalescing, the open batch is dropped whole (none of

@@ -28,15 +28,16 @@ class Forming:
     """Mixed into NcclEngine: ``_ensure_comm`` (the launch lock is held)."""
 
     def _ensure_comm(self) -> Communicator:
-        lib = self._lib if self._lib is not None else self._load()
-        self._lib = lib
+        self._bind_native()
+        lib = self._lib
         lib.require_rootless()
         self.comm_kind = comm_kind(lib, self.blocking_comm)[0]
         blocking = self.comm_kind == BLOCKING
         nxt = self.addresses[(self.rank + 1) % self.size]
         spec = nccl_lib.RootlessSpec(self.listen_addr, nxt, self.job_key, self.generation, self.group_index,
                                      int(self.connect_timeout * 1000), self.retry_delay_ms)
-        comm = Communicator(lib, f"rank {self.rank} of {self.size}, listen {self.listen_addr}, next {nxt}")
+        comm = Communicator(lib, f"rank {self.rank} of {self.size}, listen {self.listen_addr}, next {nxt}",
+                            self._native)
         with self._lock:
             if self._failure is not None:
                 raise self._failure

@@ -392,10 +392,10 @@ class NcclLibrary:
         """Raise the comm's abort flags and nothing else (hpct's patch; no lock needed)."""
         return self.call(RAISE_ABORT_SYMBOL, comm)
 
-    def fn(self, name: str):
-        """The function an op's call runs: ``fn(*args, comm, stream)`` returns the ncclResult_t
-        (the raw ctypes function: no Python layer per call on the hot path)."""
-        return self._fn[_OP_FUNCTIONS[name]]
+    def addresses(self) -> dict[str, int]:
+        """The address of every function the native launch calls (native.py), by NCCL's name."""
+        return {name: ctypes.cast(self._fn[name], ctypes.c_void_p).value
+                for name in ("ncclGroupStart", "ncclGroupEnd", *OP_FUNCTIONS.values())}
 
     def group_start(self) -> int:
         return self._fn["ncclGroupStart"]()
@@ -428,8 +428,7 @@ class NcclLibrary:
 
 
 # An op's call names (ops.py) and the NCCL function each runs.
-CALLS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "send", "recv")
-_OP_FUNCTIONS = {"all_reduce": "ncclAllReduce", "broadcast": "ncclBroadcast", "reduce": "ncclReduce",
+OP_FUNCTIONS = {"all_reduce": "ncclAllReduce", "broadcast": "ncclBroadcast", "reduce": "ncclReduce",
                  "all_gather": "ncclAllGather", "reduce_scatter": "ncclReduceScatter", "send": "ncclSend",
                  "recv": "ncclRecv"}
 

@@ -12,9 +12,11 @@ by the application's next call, never here.
 The completer settles the futures that were asked for (DDP's) once their op's GPU work has
 ended, so that DDP's backward sees a lost peer's error before the optimizer steps on gradients
 that were never fully reduced; it also holds the ops of a failed group whose kernels may still
-run (their tensors) until the abort has ended them.  It takes everything queued at once and
-waits for the newest op's event (the older ones have ended by then), so a backward pass of
-many buckets costs it one wake, not one per bucket.
+run (their tensors) until the abort has ended them.  Its loop is native (``hpct._gloo.Completer``,
+native.py): the launching thread queues a work without any Python lock or wake-up of its own; the
+completer's thread takes everything queued at once and waits without the GIL for the newest op's
+event (the older ones have ended by then: one stream, launch order), then hands the batch back to
+Python in one call.  A backward pass of many buckets costs it one wake, not one per bucket.
 
 Both threads run in thread-local capture mode (``runtime.helper``): their event queries never
 break a CUDA graph capture on another thread.  Work launched into a capture is never queued.
@@ -27,7 +29,7 @@ import threading
 import time
 import weakref
 
-from . import library as nccl_lib
+from . import library as nccl_lib, native
 from .comm import ENDED
 from .work import NcclGroupError, NcclOpTimeoutError
 
@@ -47,6 +49,8 @@ def _stop_all_at_exit() -> None:
     for w in live:
         w.exiting = True
         w.stop.set()
+        if w._native is not None:
+            w._native.stop(True)
         w.wake()
     for w in live:
         for t in w._threads:
@@ -60,8 +64,8 @@ class Watchers:
     def __init__(self, engine):
         self.engine = engine
         self.stop = threading.Event()
-        self._queue: list = []                 # works whose futures (or tensors) wait for their events
-        self._cv = threading.Condition()
+        self._native = None                    # the completer's queue and loop (hpct._gloo.Completer)
+        self.queued = 0                        # works handed to the completer so far
         self._threads: list[threading.Thread] = []
         self._start_lock = threading.Lock()
         self.exiting = False                   # the interpreter is ending: leave without settling
@@ -71,6 +75,7 @@ class Watchers:
             if self._threads:
                 return
             _LIVE.add(self)
+            self._native = native.completer(self.engine.runtime)
             name = self.engine.group_name
             for target, what in ((self._watch, "watchdog"), (self._complete, "completer")):
                 t = threading.Thread(target=target, daemon=True, name=f"hpct-nccl-{what}-{name}")
@@ -81,16 +86,19 @@ class Watchers:
         """Hold ``works`` until their events complete, then settle their futures (in order)."""
         if not self._threads:
             self.start()
-        with self._cv:
-            self._queue.extend(works)
-            self._cv.notify()
+        add = self._native.add
+        for w in works:
+            add(w, w._event, w.seq)
+        self.queued += len(works)
 
     def wake(self) -> None:
-        with self._cv:
-            self._cv.notify()
+        if self._native is not None:
+            self._native.wake()
 
     def join(self, timeout: float) -> None:
         self.stop.set()
+        if self._native is not None:
+            self._native.stop(self.exiting)
         self.wake()
         end = time.monotonic() + timeout
         for t in self._threads:
@@ -100,22 +108,17 @@ class Watchers:
     # ---- the completer ------------------------------------------------------------------------
     def _complete(self) -> None:
         e = self.engine
-        runtime = e.runtime
-        runtime.helper(e._device)
-        while True:
-            with self._cv:
-                while not self._queue or self.exiting:
-                    if self.stop.is_set() and (not self._queue or self.exiting):
-                        return
-                    self._cv.wait(WATCHDOG_PERIOD_S)
-                batch, self._queue = self._queue, []
-            newest = batch[-1]
-            # Blocks with the GIL released; the abort ends a kernel that would never end.  Every
-            # work here was launched on the one engine stream before ``newest``'s event.
-            if not newest._done:
-                runtime.host_wait(newest._event)
-            for w in batch:
-                w._finish()
+        e.runtime.helper(e._device)
+        self._native.run(self._finish)
+
+    def _finish(self, batch, rc: int) -> None:
+        """The completer's batch: every op's GPU work has ended (``rc``: the wait's CUDA error)."""
+        e = self.engine
+        if rc and e.failure is None:
+            e._fail(e._err(NcclGroupError, "completer", str(e.runtime.driver_error(
+                rc, "waiting for an op's end event (cuEventSynchronize)"))))
+        for w in batch:
+            w._finish()
 
     # ---- the watchdog -------------------------------------------------------------------------
     def _watch(self) -> None:
