@@ -506,6 +506,7 @@ def test_placeholder_store_fails_every_operation_with_the_reason(rl):
         assert f"{op}()" in str(err.value) and "HPCT_USE_ROOTLESS" in str(err.value)
 
 
+@pytest.mark.unit
 def test_the_placeholder_store_answers_through_cpp_after_its_caller_lets_go(rl):
     """torch keeps no Python reference to the default store: C++ (a PrefixStore, the NCCL
     watchdog) must still find the placeholder's methods, so the module keeps the one instance."""
