@@ -16,6 +16,11 @@
 #     Reports (tables, log) go to $OUT, else build/gpu-proof/.  ci/gpu_device.py does the work.
 #   ci/gpu.sh --preflight [--from DIR]     the checks only (CI runs this on a CPU: it must refuse)
 #
+# On a GPU machine with hpct's patched torch 2.6.0 (hpct-build wheel torch=2.6.0) and hpct's NCCL
+# 2.21.5 wheel installed in $PYTHON's environment (the lent H200's torch 2.11 cannot be this one):
+#   ci/gpu.sh --torch26                     the wheel's NCCL half (tests/gpu/test_torch26_nccl.py);
+#     refused (exit 3) naming what is missing: a CUDA device, the patched torch, hpct's libnccl
+#
 # Exit codes: 0 ok, 1 a proof test failed, 2 bad arguments, 3 the preflight refused,
 # 4 the pack was refused, 5 a build failed.
 set -euo pipefail
@@ -30,6 +35,30 @@ usage() { sed -n '2,22p' "$0"; }
   [ $# -gt 0 ] && [ "${1#--}" = "$1" ] || die "--pack needs the pack folder first (e.g. ci/gpu.sh --pack build/gpu-pack)"
   # The builder runs from this checkout (python3 -m hpct.builder with the root as its cwd).
   exec "${PACK_HOST_PYTHON:-python3}" ci/gpu_pack.py "$@"
+}
+
+[ $# -gt 0 ] && [ "$1" = "--torch26" ] && {
+  shift
+  [ $# -eq 0 ] || die "--torch26 takes no other argument"
+  "${PYTHON:-python3}" - <<'PY' || exit 3
+import sys
+try:
+    import torch
+except ImportError as err:
+    sys.exit(f"ci/gpu.sh --torch26: no torch here ({err})\n  fix: pip install the wheel of hpct-build wheel torch=2.6.0")
+problems = []
+if "+hpct." not in torch.__version__:
+    problems.append(f"torch {torch.__version__} is not hpct's patched 2.6.0 (fix: pip install the wheel of "
+                    "hpct-build wheel torch=2.6.0)")
+if not torch.cuda.is_available():
+    problems.append("no CUDA device (fix: run this on a GPU machine)")
+probe = getattr(torch._C._distributed_c10d, "_hpct_nccl_rootless_probe", None)
+if probe is not None and probe()[1]:
+    problems.append(f"{probe()[1]} (fix: {probe()[2]})")
+if problems:
+    sys.exit("ci/gpu.sh --torch26: refused:\n  " + "\n  ".join(problems))
+PY
+  exec "${PYTHON:-python3}" -P -m pytest -m gpu -p no:cacheprovider -s tests/gpu/test_torch26_nccl.py
 }
 
 MODE=run; ARGS=()

@@ -16,6 +16,11 @@ MODE ddp: DDP training; {"steps", "kill_rank", "kill_step"}: that rank SIGKILLs 
     a replacement (HPCT_GENERATION > 0) joins that world the same way.
 MODE nccl: what the NCCL half says without a GPU: the libnccl probe, then a rootless
     init_process_group("nccl"), whose error is reported.
+MODE gpu: (a GPU machine with the patched wheel and hpct's NCCL; tests/gpu/test_torch26_nccl.py) a rootless
+    NCCL world with device_id on GPU 0 (each rank its own NCCL host), a split subgroup, a send/recv
+    ring, then ({"kill": true}) the last rank of the first generation exits, the survivors' blocking
+    wait times out, they abort the world and form it again at the next generation on the same
+    ports with the replacement, and run the collectives again.
 MODE abort: 2 ranks build dist.ProcessGroupGloo storeless themselves ({"base": port}), as the
     series' Python binding allows: rank 1 starts late (the connect retries); rank 0 aborts a running
     and a queued all_reduce that rank 1 never joins; both groups are dropped; a group of the next
@@ -230,5 +235,51 @@ def abort() -> None:
     out(**facts)
 
 
+def _nccl_round(dev) -> dict:
+    size, rank = dist.get_world_size(), dist.get_rank()
+    x = torch.full((1024,), float(rank + 1), device=dev)
+    dist.all_reduce(x)
+    sub = dist.new_group(list(range(size)))           # split from the world: no port, no store
+    y = torch.ones(8, device=dev)
+    dist.all_reduce(y, group=sub)
+    sent, got = torch.full((4,), float(rank), device=dev), torch.empty(4, device=dev)
+    ops = [dist.P2POp(dist.isend, sent, (rank + 1) % size), dist.P2POp(dist.irecv, got, (rank - 1) % size)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    torch.cuda.synchronize()
+    return {"sum": x[0].item(), "sub": y[0].item(), "recv": got[0].item()}
+
+
+def gpu() -> None:
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    first = int(os.environ.get("HPCT_GENERATION", "0")) == 0
+    t = time.monotonic()
+    dist.init_process_group("nccl", device_id=dev, timeout=TIMEOUT)
+    facts = {"formed_s": round(time.monotonic() - t, 3)}
+    if first:                                     # a replacement joins the survivors' second round
+        facts["first"] = _nccl_round(dev)
+    if ARGS.get("kill"):
+        if first:
+            dist.barrier()
+            if RANK == dist.get_world_size() - 1:
+                os._exit(17)                      # gone without a word, as a crashed process is
+            t = time.monotonic()
+            try:
+                dist.all_reduce(torch.ones(1, device=dev))   # TORCH_NCCL_BLOCKING_WAIT=1: fails at the timeout
+                torch.cuda.synchronize()
+                facts["missed"] = "an all_reduce with a rank gone completed"
+            except Exception as err:              # noqa: BLE001 - the fault
+                facts["fault"] = f"{type(err).__name__}: {str(err)[:200]}"
+            dist.distributed_c10d._abort_process_group()
+            facts["aborted_s"] = round(time.monotonic() - t, 3)
+            t = time.monotonic()
+            dist.init_process_group("nccl", device_id=dev, timeout=TIMEOUT)
+            facts["reformed_s"] = round(time.monotonic() - t, 3)
+        facts["again"] = _nccl_round(dev)
+    dist.destroy_process_group()
+    out(**facts)
+
+
 if __name__ == "__main__":
-    {"world": world, "ddp": ddp, "nccl": nccl, "abort": abort}[MODE]()
+    {"world": world, "ddp": ddp, "nccl": nccl, "abort": abort, "gpu": gpu}[MODE]()

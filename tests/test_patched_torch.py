@@ -312,3 +312,13 @@ def test_the_nccl_half_is_linked_finds_hpcts_rootless_entry_and_fails_clearly_wi
     library, problem, fix = hpct["probe"]
     assert os.path.realpath(library) == os.path.realpath(hpct_nccl) and problem == "" and fix == ""
     assert hpct["error"] == "ValueError: ProcessGroupNCCL is only supported with GPUs, no GPUs found!"
+
+
+def test_the_gpu_step_of_the_nccl_half_refuses_a_machine_it_cannot_prove_on(envs):
+    """ci/gpu.sh --torch26 runs tests/gpu/test_torch26_nccl.py on a GPU machine with the wheel and
+    hpct's NCCL; here (no GPU, NVIDIA's libnccl) it must refuse, naming both, never start."""
+    proc = subprocess.run(["bash", str(REPO / "ci" / "gpu.sh"), "--torch26"], capture_output=True, text=True,
+                          timeout=120, env=_clean_env(PYTHON=envs["patched"]), cwd=REPO)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "no CUDA device (fix: run this on a GPU machine)" in proc.stderr
+    assert "has no ncclCommInitRankRootless" in proc.stderr and "hpct-build wheel nccl" in proc.stderr
