@@ -11,7 +11,7 @@ parent that already imported torch, so the times are rendezvous, connect and reb
 Start-up: release -> the last rank's first all_reduce.  Recovery: SIGKILL of the last rank ->
 every rank's first all_reduce of the rebuilt world (the replacement is forked at the kill); a
 recovery in which a rank never rebuilt its group within the deadline is shown as hung.
-The interpreters come from build/torch26.json (``python tests/torch26.py`` makes both
+The interpreters come from build/torch26.json (``python tests/torch26_envs.py`` makes both
 environments), or --stock/--patched.
 
     python benchmarks/torch26.py [--n 4,16] [--repeat 3] [--stock PY] [--patched PY]
@@ -68,7 +68,7 @@ def _pythons(args) -> dict:
     found = {"stock": args.stock or state.get("stock"), "patched": args.patched or state.get("patched")}
     missing = [k for k, v in found.items() if not v]
     if missing:
-        sys.exit(f"no torch 2.6.0 interpreter for {', '.join(missing)}: run `python tests/torch26.py` first "
+        sys.exit(f"no torch 2.6.0 interpreter for {', '.join(missing)}: run `python tests/torch26_envs.py` first "
                  "(it makes both environments and writes build/torch26.json), or pass --stock/--patched")
     return found
 

@@ -43,7 +43,7 @@ if [ $# -eq 0 ]; then   # after `all` has fetched NCCL's sources: the real NCCL 
   timeout 70m nice -n 19 "$PYTHON" tests/nccl_prebuild.py >build/nccl-prebuild.log 2>&1 &
   # Likewise the patched torch 2.6.0 wheel (hpct-build wheel torch=2.6.0, from the build cache when
   # warm) and the two torch 2.6.0 environments tests/test_patched_torch.py runs in (cached by key)
-  timeout 70m nice -n 19 "$PYTHON" tests/torch26.py >build/torch26-prepare.log 2>&1 &
+  timeout 70m nice -n 19 "$PYTHON" tests/torch26_envs.py >build/torch26-prepare.log 2>&1 &
 fi
 # -P keeps the checkout off sys.path (the tests exercise the installed wheel), and
 # the same interpreter that installed the wheel runs the tests.

@@ -113,7 +113,10 @@ def digest(model) -> str:
 def ddp() -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
     steps, kill_rank, kill_step = ARGS["steps"], ARGS.get("kill_rank", -1), ARGS.get("kill_step", -1)
-    first_generation = int(os.environ.get("HPCT_GENERATION", "0")) == 0
+    # The kill happens once: not in a replacement (hpct run's, at the next generation) nor after
+    # torchrun restarted every worker.
+    first_generation = int(os.environ.get("HPCT_GENERATION", "0")) == 0 and \
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     started = time.monotonic()
     dist.init_process_group("gloo", timeout=TIMEOUT)
     torch.manual_seed(1234)

@@ -3,7 +3,7 @@
 ``hpct-build wheel torch=2.6.0`` turns PyPI's sha256-pinned torch wheel into
 ``torch-2.6.0+hpct.<series id>``: the series' Python changes in its own files, the series'
 ProcessGroupGloo (with hpct's patched Gloo) and ProcessGroupNCCL compiled into
-``torch._hpct_c10d``.  tests/torch26.py makes a virtual environment of each torch (cached by key;
+``torch._hpct_c10d``.  tests/torch26_envs.py makes a virtual environment of each torch (cached by key;
 ci/test.sh prepares them in the background).  Each test runs torch's own API in those
 environments: what a user of the wheel runs.
 
@@ -52,8 +52,8 @@ JOB_TIMEOUT_S = 180
 
 @pytest.fixture(scope="module")
 def envs() -> dict:
-    import torch26
-    return torch26.ensure()
+    import torch26_envs
+    return torch26_envs.ensure()
 
 
 def _clean_env(**extra) -> dict:
@@ -227,9 +227,16 @@ def _ddp_job(envs, spec: dict) -> tuple[dict, list[str]]:
     return done, events
 
 
-def test_a_rank_killed_under_ddp_is_rebuilt_in_process_and_training_ends_bit_identical(envs):
+@pytest.fixture(scope="module")
+def fault_free(envs) -> dict:
+    """The DDP job without a fault: every rank's result."""
     clean, events = _ddp_job(envs, {"steps": 12})
     assert not events and {r["recoveries"] for r in clean.values()} == {0}
+    return clean
+
+
+def test_a_rank_killed_under_ddp_is_rebuilt_in_process_and_training_ends_bit_identical(envs, fault_free):
+    clean = fault_free
     faulty, events = _ddp_job(envs, {"steps": 12, "kill_rank": 2, "kill_step": 5})
     assert events == ["rank 2 killed; replaced at generation 1"]
     for r in clean.values():
@@ -243,6 +250,24 @@ def test_a_rank_killed_under_ddp_is_rebuilt_in_process_and_training_ends_bit_ide
     assert faulty[2]["recoveries"] == 0 and faulty[2]["steps"] == 12
     print("\nsurvivors rebuilt the world in", [s["events"][0]["rebuilt_s"] for s in survivors], "s; first errors:",
           {s["rank"]: s["events"][0]["error"][:100] for s in survivors})
+
+
+def test_torchrun_restarts_a_rootless_job_whose_rank_was_killed(envs, fault_free):
+    """Under torchrun a lost worker restarts every worker (torchrun's rule, --max-restarts); with
+    HPCT_USE_ROOTLESS=1 the restarted world forms again with no store of its own.  In-process
+    recovery needs an agent that replaces only the lost worker: hpct run."""
+    base = free_port_block(64)
+    torchrun = Path(envs["patched"]).with_name("torchrun")
+    proc = subprocess.run([str(torchrun), "--nproc-per-node", "4", "--max-restarts", "1",
+                           "--master-port", str(free_port_block(1, avoid=range(base, base + 64))), str(WORKER),
+                           "ddp", json.dumps({"steps": 12, "kill_rank": 2, "kill_step": 5})],
+                          env=_clean_env(HPCT_USE_ROOTLESS=1, HPCT_PORT_BASE=base, HPCT_CONNECT_TIMEOUT=60),
+                          capture_output=True, text=True, timeout=JOB_TIMEOUT_S, cwd="/")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    results = [json.loads(ln[ln.index("{"):]) for ln in proc.stdout.splitlines() if '"digest"' in ln]
+    assert sorted(r["rank"] for r in results) == [0, 1, 2, 3]
+    assert {r["digest"] for r in results} == {fault_free[0]["digest"]}
+    assert {r["recoveries"] for r in results} == {0}          # a fresh start, not an in-process rebuild
 
 
 # ------------------------------------------------------------------ abort, through the series' own binding

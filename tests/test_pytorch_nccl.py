@@ -555,7 +555,7 @@ def test_the_nccl_units_are_the_changed_ones():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("unit", NCCL_UNITS)
+@pytest.mark.parametrize("unit", [f"{C10D}/init.cpp"])   # the others: built for real (test_patched_torch.py)
 def test_changed_unit_compiles_with_nccl(nccl_compile, patched_tree, unit):
     c = nccl_compile
     flags = _nccl_compile_flags(c["overlay"], c["rl"], c["nccl"], c["cuda"])

@@ -104,3 +104,14 @@ def test_the_summary_reads_tiers_junit_reports_and_cache_logs(tmp_path, capsys):
     assert "compiler cache (ccache)    87 of 90 compiles hit" in out
     assert summary.main(["summary", str(tmp_path / "empty")]) == 0
     assert "(no JUnit report in build/)" in capsys.readouterr().out
+
+
+def test_no_module_name_is_both_a_test_helper_and_a_benchmark_or_ci_script():
+    """Tests put benchmarks/ and ci/ on sys.path beside tests/: a shared name imports whichever folder
+    came first, so a helper is silently replaced by a benchmark (CI's slow tier once lost
+    tests/torch26.py's ``ensure`` this way)."""
+    def names(folder: str) -> set[str]:
+        return {p.stem for p in (REPO / folder).glob("*.py")}
+    for other in ("benchmarks", "ci"):
+        assert not names("tests") & names(other), f"rename the tests/ helper: {sorted(names('tests') & names(other))}"
+    assert not names("benchmarks") & names("ci"), sorted(names("benchmarks") & names("ci"))

@@ -75,8 +75,14 @@ def _torch(args: argparse.Namespace, layout, progress, version: str) -> int:
         import subprocess
         mine = [w for w in wheels if f"-cp{sys.version_info[0]}{sys.version_info[1]}-" in w.name]
         for wheel in mine:
-            subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--force-reinstall", str(wheel)],
-                           check=True)
+            # With its dependencies, as a user's pip would: torch 2.6.0's NVIDIA wheels, and its NCCL
+            # pin, which hpct's drop-in nvidia-nccl-cu12 2.21.5+hpct satisfies where it is installed.
+            for extra in (["--force-reinstall", "--no-deps"], []):
+                rc = subprocess.run([sys.executable, "-m", "pip", "install", *extra, str(wheel)]).returncode
+                if rc != 0:
+                    from ..errors import BuildError
+                    raise BuildError(f"pip install {wheel.name} into {sys.executable} failed (exit {rc})",
+                                     fix="see pip's output above")
     for wheel in wheels:
         print(wheel)
     return 0

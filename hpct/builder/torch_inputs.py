@@ -184,7 +184,9 @@ def pybind11_abi(libtorch_python: Path) -> tuple[str, str]:
 def nccl_inputs(layout: Layout, m: Manifest, progress: Progress) -> tuple[Path, Path]:
     """(include folder with nccl.h and nccl_rootless.h, libnccl.so.2) of the NCCL torch pins."""
     pin = m.extra["wheel"]["nccl"]
-    dest = layout.cache / f"{pin['package']}-{pin['version']}"
+    # Its own folder: hpct's header goes beside nccl.h here, and the tests keep the bare wheel's headers
+    # in <package>-<version>, which must stay without it.
+    dest = layout.cache / f"{pin['package']}-{pin['version']}+hpct-header"
     include, lib = dest / "include", dest / "lib" / "libnccl.so.2"
     if not (lib.is_file() and (include / "nccl.h").is_file()):
         wheels = layout.cache / "torch-wheels"

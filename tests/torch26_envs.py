@@ -7,12 +7,12 @@
 
 Both also get this checkout's hpct wheel (dist/), for ``hpct doctor`` and the hpct backend.  Each
 lives under ~/.cache/hpct, keyed by what goes into it (the interpreter, the requirements, the
-patched wheel's sha256), made in a temporary folder and renamed, so a warm run reuses them and an
-interrupted one leaves nothing half-made.  ci/test.sh starts ``python tests/torch26.py`` in the
+patched wheel's sha256), and counts as made only once its ready mark is written, last, so a warm
+run reuses them and an interrupted one is made again.  ci/test.sh starts ``python tests/torch26_envs.py`` in the
 background after the build tier (log: build/torch26-prepare.log); the tests' fixture calls
 ``ensure()`` under the same lock, so it waits for that run instead of repeating it.
 
-    python tests/torch26.py            prepare both (prints build/torch26.json's content)
+    python tests/torch26_envs.py            prepare both (prints build/torch26.json's content)
 """
 
 from __future__ import annotations
@@ -60,21 +60,20 @@ def _run(cmd: list, what: str, timeout: float = PIP_TIMEOUT_S, cwd: Path | None 
 
 
 def _venv(name: str, requirements: list[str], log) -> Path:
-    """A cached venv named ``name`` holding ``requirements`` (made aside, then renamed)."""
+    """A cached venv named ``name`` holding ``requirements``.  It is made where it stays (its console
+    scripts name their interpreter by absolute path, so a renamed venv's torchrun would not start)
+    and is complete only once its ready mark is written last; one without it is made again."""
     path = _cache() / name
-    if (path / ".hpct-ready").is_file():
+    ready = path / ".hpct-ready"
+    if ready.is_file():
         print(f"torch26: cache hit: {path}", file=log, flush=True)
         return path
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    started = time.monotonic()
-    _run([sys.executable, "-m", "venv", tmp], f"python -m venv {tmp}")
-    # A venv's python finds its packages relative to itself, so the folder may be renamed after.
-    _run([tmp / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check", *requirements],
-         f"pip install into {tmp}")
-    (tmp / ".hpct-ready").write_text(json.dumps(requirements) + "\n")
     shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
+    started = time.monotonic()
+    _run([sys.executable, "-m", "venv", path], f"python -m venv {path}")
+    _run([path / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check", *requirements],
+         f"pip install into {path}")
+    ready.write_text(json.dumps(requirements) + "\n")
     print(f"torch26: made {path} in {time.monotonic() - started:.0f} s", file=log, flush=True)
     return path
 
