@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hpct.launch import wire
+from hpct import wire
 
 from hpct.launch.links import MIN_SAMPLES, SLOW_HOLD_S, WINDOW, LinkTimes, parse, slow_nodes
 from test_launch_membership import Agent

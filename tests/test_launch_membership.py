@@ -18,11 +18,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from hpct.launch import membership, wire
+from hpct import wire
+from hpct.launch import membership
+from hpct.launch.health import STOPPED_NO_SHOW_S, no_shows, note_stopped, stopped_past
 from hpct.launch.links import LinkTimes
 from hpct.launch.membership import Membership
-from hpct.launch.workers import (STANDBY_DEFER_S, STOPPED_NO_SHOW_S, is_stopped, no_shows, note_stopped, standbys_due,
-                                 stopped_past)
+from hpct.launch.pool import STANDBY_DEFER_S, standbys_due
+from hpct.launch.procs import is_stopped
 
 pytestmark = pytest.mark.unit
 

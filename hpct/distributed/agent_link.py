@@ -20,7 +20,7 @@ import threading
 
 from ..config import Config
 from ..errors import RendezvousError
-from ..launch import wire
+from .. import wire
 from ..ports import host_of
 
 
@@ -61,7 +61,7 @@ def _ask(cfg: Config, place: int, request: dict, who: str, timeout: float | None
 
 def report_joined(cfg: Config, place: int, generation: int, op_timeout_s: float) -> None:
     # The op timeout bounds how long the agent waits for this worker to come to a re-form
-    # before it takes it for hung (hpct/launch/workers.py's no_shows).
+    # before it takes it for hung (hpct/launch/health.py's no_shows).
     host, port = _address(cfg, place)
     try:
         wire.ask(host, port, {"op": "joined", "place": place, "generation": generation, "pid": os.getpid(),

@@ -24,14 +24,16 @@ import time
 
 from ..config import VARIABLES, Config
 from ..errors import LaunchError
-from . import wire
+from .. import wire
 from .events import EventLog
 from .forkserver import ForkServer
 from .links import LinkTimes
 from .losses import Losses
 from .membership import ASK_TIMEOUT_S, FINAL_TRIES, JobEnd, Membership
 from .options import STOP_GRACE_S, RunOptions
-from .workers import Pool, Worker, standbys_due, stop, stranded
+from .health import stranded
+from .pool import Pool, Worker, standbys_due
+from .procs import stop
 
 POLL_S = 0.02                 # worker exits are noticed within this
 FOLLOWS_S = 1.0               # a worker that asked about the view this recently follows a newer one itself

@@ -32,9 +32,11 @@ import threading
 import time
 from pathlib import Path
 
+from .procs import process_state
+
 PR_SET_PDEATHSIG = 1
 REAP_S = 0.05               # how often the server reaps exited workers between orders
-FORK_TIMEOUT_S = 10.0       # an order the server does not answer within this is refused
+FORK_TIMEOUT_S = 10.0       # an order the server does not answer within this is refused (ForkServer's default)
 SETTLE_S = 5.0              # a forked child has this long to take its own session before its pid goes out
 SERVER_ARGV = ("-c", "import sys; del sys.path[0]; from hpct.launch.forkserver import serve; sys.exit(serve())")
 
@@ -146,10 +148,11 @@ class Forked:
 
 class ForkServer:
     """The agent's side.  ``ready`` is set once the server has imported torch; ``fork`` before
-    that, or after the server died, returns None and the caller starts the worker cold."""
+    that, or after the server died, returns None and the caller starts the worker cold, as it
+    does when the server has not forked within ``fork_timeout_s``."""
 
-    def __init__(self, log: Path, env: dict[str, str]) -> None:
-        self.log = log
+    def __init__(self, log: Path, env: dict[str, str], fork_timeout_s: float = FORK_TIMEOUT_S) -> None:
+        self.log, self.fork_timeout_s = log, fork_timeout_s
         self.proc = subprocess.Popen([sys.executable, *SERVER_ARGV], env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=open(log, "w"), start_new_session=True,
                                      cwd=os.getcwd())
@@ -198,7 +201,7 @@ class ForkServer:
                 self.proc.stdin.flush()
             except OSError:
                 return None
-            self.cond.wait_for(lambda: oid in self.forked or not self.alive(), FORK_TIMEOUT_S)
+            self.cond.wait_for(lambda: oid in self.forked or not self.alive(), self.fork_timeout_s)
             pid = self.forked.pop(oid, None)
             if pid is None:
                 self.abandoned.add(oid)
@@ -232,5 +235,4 @@ def _kill(pid: int) -> None:
 
 
 def _running(pid: int) -> bool:
-    from .workers import process_state      # workers.py imports this module
     return process_state(pid) not in (None, b"Z", b"X")

@@ -12,7 +12,9 @@ import signal
 import time
 
 from .view import JobEnd
-from .workers import STOPPED_CHECK_S, Worker, no_shows, note_stopped, re_form_bound, stopped_long, stopped_past, tail
+from .health import STOPPED_CHECK_S, no_shows, note_stopped, re_form_bound, stopped_long, stopped_past
+from .pool import Worker
+from .procs import tail
 
 
 class Losses:
@@ -36,8 +38,8 @@ class Losses:
             self._start(local, self.restarts.get(local, 0))
 
     def _reap_no_shows(self) -> None:
-        """Kill the workers stopped by a signal past ``--stopped-grace`` (workers.stopped_past) and
-        those that did not come to re-form (workers.no_shows): their exit is a loss, and the loss
+        """Kill the workers stopped by a signal past ``--stopped-grace`` (health.stopped_past) and
+        those that did not come to re-form (health.no_shows): their exit is a loss, and the loss
         path replaces them."""
         now = time.monotonic()
         if now - self.stopped_checked < STOPPED_CHECK_S:

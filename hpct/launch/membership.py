@@ -15,7 +15,7 @@ import threading
 import time
 
 from ..errors import LaunchError
-from . import wire
+from .. import wire
 from .view import JobEnd, View
 
 __all__ = ["JobEnd", "Membership"]

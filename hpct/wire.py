@@ -4,7 +4,9 @@ Agents ask each other (hello, events, membership) and workers ask their node's a
 new world in ``hd.recover()``) the same way, at addresses every process derives from the
 port plan: node ``n``'s agent is ``hosts[n]:HPCT_AGENT_PORT``.  One request per connection
 keeps both sides stateless; every call has a deadline.  Imports nothing heavy: a worker
-asks before and after torch.
+asks before and after torch.  It sits beside the port plan, below both of its speakers: the
+launcher (hpct/launch) and the library's agent link (hpct/distributed) import it, and
+neither imports the other for it.
 """
 
 from __future__ import annotations

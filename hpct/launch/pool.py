@@ -1,11 +1,11 @@
-"""One node's worker processes: start (fresh, or by handing a warm standby its orders), poll,
-stop gracefully, and the last lines of a worker's log for the message that ends a job."""
+"""One node's pool of worker processes: a worker started fresh, forked from the node's fork server
+or handed to a warm standby (its orders on stdin), the standbys kept ready and when they may
+start.  The health rules are health.py's, the process plumbing procs.py's."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .forkserver import FORK_TIMEOUT_S
+from .procs import stop, tail
 
 
 @dataclass
@@ -38,10 +38,6 @@ class Worker:
     stopped_since: float | None = None   # seen stopped by a signal since (monotonic): note_stopped
 
 
-# A worker its peers wait for, seen stopped by a signal this long, is taken for hung without
-# waiting out its op timeout: it runs no code until someone continues it (no_show_bound).
-STOPPED_NO_SHOW_S = 1.0
-STOPPED_CHECK_S = 0.25     # how often an agent reads its workers' states (note_stopped)
 STANDBY_DEFER_S = 30.0     # a node's standbys start at the latest this long after its workers (standbys_due)
 # A standby imports the interpreter's own packages, as the agent did: ``-m`` would put the working
 # folder first on sys.path, and a source checkout of hpct there (an ``hpct/`` folder without the
@@ -140,7 +136,7 @@ class Pool:
         if self.forks is not None:
             f = self.forks
             state = ("ended" if not f.alive() else "is not ready" if not f.ready.is_set()
-                     else f"did not fork it within {FORK_TIMEOUT_S:g} s")
+                     else f"did not fork it within {f.fork_timeout_s:g} s")
             return f"cold: the fork server pid {f.proc.pid} {state} (its log {f.log})"
         if not warm_ok:
             return "cold: a first start (generation 0)"
@@ -199,104 +195,3 @@ def standbys_due(workers, started: float, now: float) -> bool:
     start it would only take cores and file-system reads from them.  A worker lost before its world
     formed starts cold; any replacement (generation above 0) is started and refilled at once."""
     return all(w.joined or w.generation > 0 for w in workers) or now - started > STANDBY_DEFER_S
-
-
-def re_form_bound(w: Worker, default_s: float) -> float:
-    """How long after a view move that broke its world a worker may stay silent: its op timeout,
-    if it told one, else ``default_s``."""
-    return w.op_timeout or default_s
-
-
-def silent(w: Worker, generation: int, broke_at: float | None) -> bool:
-    """Whether ``w`` has not come to re-form after the view's last move that broke its world (at
-    ``broke_at``, monotonic): its world formed before ``generation`` and it has not asked the
-    agent anything since."""
-    return (broke_at is not None and w.joined and not w.reaped and w.formed < generation
-            and w.watched < broke_at and w.proc.poll() is None)
-
-
-def process_state(pid: int) -> bytes | None:
-    """A process's state letter in /proc/PID/stat (R, S, T, Z ...), or None: gone, or no /proc."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return stat[stat.rfind(b")") + 2:][:1]
-
-
-def is_stopped(pid: int) -> bool:
-    """Whether a process is stopped by a signal (SIGSTOP, SIGTSTP: state T in /proc/PID/stat).  One
-    stopped by a tracer (t: a debugger, py-spy) is being looked at on purpose and is not.  Gone, or
-    no /proc: not stopped, and the op timeout bound holds."""
-    return process_state(pid) == b"T"
-
-
-def note_stopped(workers, now: float, probe=is_stopped) -> None:
-    """Track since when each running worker is seen stopped by a signal (None: running)."""
-    for w in workers:
-        stopped = not w.reaped and w.proc.poll() is None and probe(w.proc.pid)
-        w.stopped_since = (now if w.stopped_since is None else w.stopped_since) if stopped else None
-
-
-def stopped_past(workers, now: float, grace: float) -> list[Worker]:
-    """The workers seen stopped for ``grace`` seconds (0: none ever is).  Each collective of the
-    job waits on such a worker, and it runs nothing until someone continues it: waiting for its
-    peers' op timeout (then for their re-form) only lengthens the stall a replacement ends."""
-    return [w for w in workers if grace > 0 and not w.reaped and w.stopped_since is not None
-            and now - w.stopped_since >= grace]
-
-
-def stopped_long(w: Worker, now: float) -> bool:
-    """Whether ``w`` has been seen stopped (``note_stopped``) for STOPPED_NO_SHOW_S."""
-    return w.stopped_since is not None and now - w.stopped_since >= STOPPED_NO_SHOW_S
-
-
-def no_show_bound(w: Worker, now: float, default_s: float) -> float:
-    """How long after the breaking move a silent worker is waited for: STOPPED_NO_SHOW_S once it
-    is ``stopped_long`` (its peers' collectives already timed out on it, and it cannot come before
-    someone continues it), else its op timeout (``re_form_bound``)."""
-    return STOPPED_NO_SHOW_S if stopped_long(w, now) else re_form_bound(w, default_s)
-
-
-def no_shows(workers, generation: int, broke_at: float | None, now: float, default_s: float) -> list[Worker]:
-    """The silent workers (``silent``) past their bound (``no_show_bound``).  Such a worker is hung
-    (stopped, deadlocked): its peers would wait for it until their connect deadline and then fail,
-    over and over, while it never exits.  A worker busy past its op timeout would have failed its
-    peers' collectives already, so that bound is the user's own."""
-    return [w for w in workers if silent(w, generation, broke_at)
-            and now - broke_at > no_show_bound(w, now, default_s)]
-
-
-def stranded(w: Worker) -> str | None:
-    """Why ``w``'s next world can no longer form once a rank of the job finished (a finished rank
-    never comes to re-form; it left only after every rank had taken the last step), or None: a
-    newcomer (grow, spare, replacement) that has not joined, or a worker that re-forms after its
-    world failed."""
-    if not w.joined:
-        return "before it joined" if w.generation > 0 else None
-    return "while it re-formed" if w.re_forming else None
-
-
-def stop(procs: list[subprocess.Popen], grace: float) -> None:
-    """SIGTERM each process group, SIGKILL what is left after ``grace`` seconds, reap all."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-        alive = [p for p in procs if p.poll() is None]
-        if not alive:
-            return
-        for p in alive:
-            try:
-                os.killpg(p.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        end = time.monotonic() + wait
-        while time.monotonic() < end and any(p.poll() is None for p in alive):
-            time.sleep(0.02)
-
-
-def tail(path: Path, lines: int = 20) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return f"(no log at {path})"
-    return "\n".join(text.splitlines()[-lines:])
