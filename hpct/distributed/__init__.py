@@ -33,9 +33,9 @@ from .elastic import shrink
 from .parity import ParityReport, sync_state
 from .profile_comm import CommProfile, profile_comm
 from .state import broadcast_object, broadcast_state, healthy_source
-from .recovery import recover
-from .world import (abort_all, generation, group_monitored_barrier as monitored_barrier, init_process_group,
-                    last_connect_seconds, live_groups, register, shutdown_all)
+from .recovery import init_process_group, recover
+from .world import (abort_all, generation, group_monitored_barrier as monitored_barrier, last_connect_seconds,
+                    live_groups, register, shutdown_all)
 
 register()
 elastic.install()

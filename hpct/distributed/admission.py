@@ -40,7 +40,8 @@ import torch.distributed as dist
 from ..config import Config
 from ..errors import ConfigError, HpctArgumentError, PortPlanError, RendezvousError
 from ..ports import host_of
-from . import agent_link, recovery, world
+from . import agent_link, follow, world
+from .world_state import state
 
 
 def _config(hosts) -> Config:
@@ -117,13 +118,13 @@ def membership_changed() -> bool:
     CHECK_PERIOD_S; the calls in between are False without a collective (alike on every
     member, _Cadence).  False at once when this process was not started by ``hpct run``.
     """
-    cfg = world._config()
-    rank, size, _, plan = world.membership()
-    if cfg.agent_port is None or rank is None or not _cadence.due((world.formed_generation(), size)):
+    cfg = state.config()
+    rank, size, _, plan = state.membership()
+    if cfg.agent_port is None or rank is None or not _cadence.due((state.formed, size)):
         return False
     now = time.monotonic()
     try:
-        newest = agent_link.peek(cfg, world.plan_rank(rank))["plan_ranks"]
+        newest = agent_link.peek(cfg, state.plan_rank(rank))["plan_ranks"]
     except RendezvousError:
         newest = None           # this node left the view: the members' new world goes on without it
     flag = torch.tensor([float(newest != _places(plan, size)), _cadence.since(now)], dtype=torch.float64)
@@ -137,18 +138,18 @@ def grow(world_size: int | None = None, *, hosts: list[str] | None = None, plan_
 
     Without arguments under ``hpct run``: the world the agents grew to (``membership_changed()``).
     """
-    rank, size, timeout, plan = world.membership()
+    rank, size, timeout, plan = state.membership()
     if rank is None or size is None:
         raise ConfigError("grow() needs a running world: call init_process_group first",
                           fix="start the job with hd.init_process_group() before growing it")
-    cfg = world._config()
+    cfg = state.config()
     if (world_size, hosts, plan_ranks) == (None, None, None) and cfg.agent_port is not None:
-        place = world.plan_rank(rank)
-        view = recovery.agent_world(cfg, place, world.generation())
+        place = state.plan_rank(rank)
+        view = follow.agent_world(cfg, place, state.generation())
         world.shutdown_all()      # a step boundary: every group is idle and closes gracefully
         # A fault while the grown world connects (a newcomer lost) moves the view on: the
         # connect follows it, as recover()'s does, instead of failing the members.
-        return recovery.follow_agent(cfg, place, timeout, view)
+        return follow.follow_agent(cfg, place, timeout, view)
     if not isinstance(world_size, int) or world_size <= size:
         raise HpctArgumentError(f"grow: world_size={world_size!r} must be an integer above the current "
                                 f"world size {size}, nothing changed",
@@ -166,6 +167,6 @@ def grow(world_size: int | None = None, *, hosts: list[str] | None = None, plan_
                                   "or raise N_PROC_PER_NODE") from None
     world.shutdown_all()          # a step boundary: every group is idle and closes gracefully
     identity = places == list(range(world_size))
-    return world.init_process_group(rank, world_size, timeout=timeout, config=cfg,
-                                    generation=recovery.next_generation(),
-                                    plan_ranks=None if identity else places)
+    return world.connect_world(rank, world_size, timeout=timeout, config=cfg,
+                               generation=state.next_generation(),
+                               plan_ranks=None if identity else places)

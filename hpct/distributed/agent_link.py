@@ -18,9 +18,9 @@ from __future__ import annotations
 import os
 import threading
 
+from .. import wire
 from ..config import Config
 from ..errors import RendezvousError
-from .. import wire
 from ..ports import host_of
 
 

@@ -5,8 +5,8 @@ hpct group of the process, as torch destroys the others) is aborted and released
 survivors connect again at the next generation from the same port plan, with no store, no
 replacement and no restart.  Survivors renumber (0..n-1 in their old order) but keep their
 listening addresses: the world remembers each new global rank's place in the plan
-(``world.plan_rank``), so every peer derives a survivor's host and port from its ORIGINAL
-global rank, never from its new number.
+(``state.plan_rank``, world_state.py), so every peer derives a survivor's host and port from its
+ORIGINAL global rank, never from its new number.
 
 Two ways in, one result:
 
@@ -25,14 +25,13 @@ world keeps its generation.  Ops in flight on the old group fail (the shrink abo
 
 from __future__ import annotations
 
-import contextlib
-
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ..errors import HpctArgumentError
 from . import recovery, world
 from .world import HpctProcessGroup     # only world builds groups (tests/test_layout.py)
+from .world_state import state
 
 SHRINK_DEFAULT = getattr(c10d, "SHRINK_DEFAULT", 0)
 SHRINK_ABORT = getattr(c10d, "SHRINK_ABORT", 1)
@@ -88,19 +87,6 @@ def _survivors(pg: HpctProcessGroup, excluded) -> tuple[list[int], int]:
     return [pg.global_ranks[i] for i in keep], keep.index(pg.rank())
 
 
-@contextlib.contextmanager
-def _group_generation(gen: int, key: int | None = None):
-    """Groups made inside form at ``gen`` instead of the world's generation, and with the group
-    key ``key`` (the shrunk group's own: it replaces that group on the shared port)."""
-    with world._LOCK:
-        world._state.group_generation, world._state.group_key = gen, key
-    try:
-        yield
-    finally:
-        with world._LOCK:
-            world._state.group_generation, world._state.group_key = None, None
-
-
 def shrink(ranks_to_exclude: list[int], group=None, shrink_flags: int = SHRINK_DEFAULT):
     """Go on without ``ranks_to_exclude`` (ranks of ``group``); returns the shrunk group.
 
@@ -113,13 +99,13 @@ def shrink(ranks_to_exclude: list[int], group=None, shrink_flags: int = SHRINK_D
     excluded = _validate(ranks_to_exclude, pg, shrink_flags)
     survivors, new_rank = _survivors(pg, excluded)
     if _is_default(pg):
-        plan = [world.plan_rank(r) for r in survivors]
+        plan = [state.plan_rank(r) for r in survivors]
         return recovery.recover(world_size=len(survivors), rank=new_rank, plan_ranks=plan)
     gen = pg.generation + 1
     key = getattr(pg, "group_key", None)
     pg.abort("shrinking the group")
     dist.destroy_process_group(pg)
-    with _group_generation(gen, key):
+    with state.groups_made_at(gen, key):
         return dist.new_group(survivors, use_local_synchronization=True)
 
 
@@ -139,23 +125,21 @@ def _torch_shrink(pg: HpctProcessGroup, excluded, shrink_flags, pg_options) -> H
     if _is_default(pg):
         # torch destroys every other group after this returns; release them now, so the new
         # world can listen on slot 0 at once (the survivor keeps its address).
-        plan = [world.plan_rank(r) for r in survivors]
-        gen = recovery.next_generation()
+        plan = [state.plan_rank(r) for r in survivors]
+        gen = state.next_generation()
         world.abort_all("shrinking the default group")
-        for other in world.live_groups():
+        for other in state.live_groups():
             other.shutdown()
-        with world._LOCK:
-            st = world._state
-            st.rank, st.world_size, st.plan_ranks, st.generation = new_rank, len(survivors), plan, gen
-        with _group_generation(gen, 0):      # the world's key
-            return world._create(_backend_options(new_rank, len(survivors), list(range(len(survivors))),
+        state.renumber(new_rank, len(survivors), plan, gen)
+        with state.groups_made_at(gen, 0):      # the world's key
+            return world.create_group(_backend_options(new_rank, len(survivors), list(range(len(survivors))),
                                                   "0", timeout))
     gen = pg.generation + 1
     key = getattr(pg, "group_key", None)
     pg.abort("shrinking the group")
     pg.shutdown()
-    with _group_generation(gen, key):
-        return world._create(_backend_options(new_rank, len(survivors), survivors,
+    with state.groups_made_at(gen, key):
+        return world.create_group(_backend_options(new_rank, len(survivors), survivors,
                                               f"{pg.group_name}:shrunk:{gen}", timeout))
 
 

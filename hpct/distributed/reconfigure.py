@@ -40,6 +40,7 @@ from torch.distributed import distributed_c10d as c10d
 from .. import _gloo
 from ..errors import HpctArgumentError
 from . import world
+from .world_state import state
 from .runner import done_work
 from .work import HpctWork
 
@@ -91,9 +92,9 @@ def _job(cfg) -> str:
 
 
 def _own(pg) -> Handle:
-    cfg = world._config()
-    rank = world.membership()[0]
-    place = world.plan_rank(rank if rank is not None else pg.rank())
+    cfg = state.config()
+    rank = state.membership()[0]
+    place = state.plan_rank(rank if rank is not None else pg.rank())
     host, port = pg.context.peers[pg.rank()]
     return Handle(job=_job(cfg), host=host, port=port, place=place, generation=pg.generation, pid=os.getpid())
 
@@ -162,7 +163,7 @@ def run(pg, opts) -> HpctWork:
     if seconds is not None and not seconds > 0:
         _refuse(f"timeout {timeout!r} is not positive", "pass a positive timedelta, or none for HPCT_CONNECT_TIMEOUT")
     pg.used_uuids.add(uuid)
-    cfg = world._config()
+    cfg = state.config()
     op_timeout = pg.context.timeout
     t0 = time.perf_counter()
     # The old context gives up the group's key before the new one takes it; a failed connect
@@ -182,8 +183,7 @@ def run(pg, opts) -> HpctWork:
         pg.attach(factory(cfg, name=pg.group_name, index=pg.group_index, slot=pg.slot, group_rank=rank,
                           global_ranks=ranks, generation=gen, op_timeout=op_timeout, places=places),
                   device_type)
-    world.reconfigured(pg, rank=rank, size=len(parsed), places=places, generation=gen,
-                       seconds=time.perf_counter() - t0)
+    state.reconfigured(rank, len(parsed), places, gen, time.perf_counter() - t0)
     c10d._world.pg_group_ranks[pg] = {r: r for r in ranks}
     return done_work()
 
@@ -193,7 +193,7 @@ def _listener_kept(pg):
     """Keep the process's listener up while the group's context is swapped: the last context
     on it to close takes the listener down (10-20 ms measured), and the new one would make it
     again.  An unconnected one-member context on a key no live group holds keeps it."""
-    free = sorted(set(range(1, _gloo.GROUP_KEYS)) - {getattr(g, "group_key", None) for g in world.live_groups()})
+    free = sorted(set(range(1, _gloo.GROUP_KEYS)) - {getattr(g, "group_key", None) for g in state.live_groups()})
     keeper = None
     if free:
         keeper = _gloo.Context(0, 1, 0, [pg.context.peers[pg.rank()]], timeout=1.0, connect_timeout=1.0,

@@ -1,4 +1,4 @@
-"""Rootless start-up, group keys and in-process recovery for the ``hpct`` backend.
+"""Rootless start-up and group creation for the ``hpct`` backend: the c10d creator, the world's connect.
 
 Start-up: every process derives every peer's (host, port) from the configuration and the
 port plan (DESIGN.md) and connects the full mesh directly; no TCPStore is created, nothing
@@ -15,15 +15,15 @@ on a port slot per group, for its NCCL communicator (each listens on a port of i
 the NCCL block; slots.py).  Torch's store is a process-local placeholder that fails at once
 where something waits on it (a Gloo subgroup, a store barrier) instead of at the timeout.
 
-Recovery (recovery.py) builds on this module: ``abort_all()``, ``shutdown_all()``, then
-``init_process_group`` in the next generation.
+The world's membership and generations live in one owner (world_state.py).  Which world to
+connect is decided above this module (recovery.py: the first world, or the next after a failure;
+follow.py: the one ``hpct run``'s agent holds); they end here, in ``connect_world``.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import threading
 import time
 
 import torch
@@ -38,59 +38,16 @@ from . import agent_link, checks, slots
 from .group import BACKEND_NAME, HpctProcessGroup
 from .monitor import monitored_barrier as _monitored_barrier
 from .slots import PlaceholderStore
-
-_LOCK = threading.RLock()
-
-
-class _State:
-    config: Config | None = None
-    generation: int | None = None
-    rank: int | None = None
-    world_size: int | None = None
-    timeout: datetime.timedelta | None = None
-    groups: list = []            # live HpctProcessGroup objects
-    connecting: list = []        # contexts still connecting (abortable)
-    last_init_s: float | None = None     # seconds spent in the last world connect
-    formed: int | None = None    # the generation in which the world last formed
-    newest_seen: int = -1        # the newest generation a peer showed (StaleGenerationError)
-    store = None                 # the world's PlaceholderStore (kept alive: see init_process_group)
-    plan_ranks: list | None = None   # global rank -> its place in the port plan (None: the same);
-                                     # a shrink renumbers ranks, each survivor keeps its address
-    group_generation: int | None = None  # generation of the next group made (elastic.py), else the world's
-    group_key: int | None = None         # group key of the next group made (elastic.py), else from its index
-
-
-_state = _State()
-
-
-def _config() -> Config:
-    with _LOCK:
-        if _state.config is None:
-            _state.config = Config.from_mapping()
-        return _state.config
-
-
-def _reconfigure_for(world_size: int) -> Config:
-    with _LOCK:
-        _state.config = Config.from_mapping(world_size=world_size)
-        return _state.config
+from .world_state import state
 
 
 def generation() -> int:
     """The generation this process's groups use now."""
-    return _current_generation()
-
-
-def _current_generation() -> int:
-    with _LOCK:
-        if _state.generation is None:
-            _state.generation = _config().generation
-        return _state.generation
+    return state.generation()
 
 
 def live_groups() -> list[HpctProcessGroup]:
-    with _LOCK:
-        return list(_state.groups)
+    return state.live_groups()
 
 
 def _group_index(group_name: str) -> int:
@@ -98,24 +55,6 @@ def _group_index(group_name: str) -> int:
         return int(group_name)
     # A hashed name (use_local_synchronization=True): torch has already advanced the counter.
     return max(c10d._world.group_count - 1, 0)
-
-
-def plan_rank(global_rank: int) -> int:
-    """Where global rank ``global_rank`` sits in the port plan (its host and local rank)."""
-    with _LOCK:
-        plan = _state.plan_ranks
-    return global_rank if plan is None else plan[global_rank]
-
-
-def _start_places(cfg: Config, world_size: int) -> list[int] | None:
-    """HPCT_PLAN_PLACES for the first world of a process only (a replacement that ``hpct run``
-    starts into a shrunk world); later worlds get their places from recover()."""
-    if cfg.plan_places is None or _state.formed is not None:
-        return None
-    if len(cfg.plan_places) != world_size:
-        raise ConfigError(f"HPCT_PLAN_PLACES lists {len(cfg.plan_places)} places, but WORLD_SIZE is {world_size}",
-                          fix="list one plan place per global rank, or unset HPCT_PLAN_PLACES")
-    return list(cfg.plan_places)
 
 
 def connect_context(cfg: Config, *, name: str, group_rank: int, generation: int, peers: list,
@@ -141,14 +80,26 @@ def connect_context(cfg: Config, *, name: str, group_rank: int, generation: int,
                 "with HPCT_PORT_BASE") from None
     if not connect:
         return ctx
-    with _LOCK:
-        _state.connecting.append(ctx)
+    with state.connecting(ctx):
+        _connect(ctx, name, gen, global_rank, connect_timeout, deadline_name, missing_fix)
+    _disable_store_barrier()
+    if cfg.init_barrier:
+        try:
+            ctx.barrier()
+        except BaseException:
+            ctx.close()
+            raise
+    return ctx
+
+
+def _connect(ctx, name: str, gen: int, global_rank: int, connect_timeout: float, deadline_name: str,
+             missing_fix: str) -> None:
+    """``ctx.connect()``; a failure closes the context and says what to do."""
     try:
         ctx.connect()
     except _gloo.StaleGenerationError as err:
         ctx.close()
-        with _LOCK:
-            _state.newest_seen = max(_state.newest_seen, int(err.newer_generation))
+        state.saw(err.newer_generation)
         raise RendezvousError(
             f"group {name}: generation {gen} is older than a peer's ({err.newer_generation}): {err}",
             fix="call recover() again: it moves to the newest generation seen") from None
@@ -169,26 +120,13 @@ def connect_context(cfg: Config, *, name: str, group_rank: int, generation: int,
     except BaseException:
         ctx.close()
         raise
-    finally:
-        with _LOCK:
-            if ctx in _state.connecting:
-                _state.connecting.remove(ctx)
-    _disable_store_barrier()
-    if cfg.init_barrier:
-        try:
-            ctx.barrier()
-        except BaseException:
-            ctx.close()
-            raise
-    return ctx
 
 
-def _create(dist_opts, backend_options=None):
+def create_group(dist_opts, backend_options=None):
     """The c10d creator (extended API): build and connect one storeless context."""
-    cfg = _config()
-    with _LOCK:
-        gen, forced_key = _state.group_generation, _state.group_key
-    gen = _current_generation() if gen is None else gen
+    cfg = state.config()
+    gen, forced_key = state.next_group()
+    gen = state.generation() if gen is None else gen
     group_rank, group_size = dist_opts.group_rank, dist_opts.group_size
     global_ranks = list(dist_opts.global_ranks_in_group) or list(range(group_size))
     name = str(dist_opts.group_id)
@@ -199,19 +137,16 @@ def _create(dist_opts, backend_options=None):
     if is_world and nproc_source() == NPROC_DEFAULT and group_size > cfg.nproc_per_node:
         # init_process_group("hpct", rank=r, world_size=n) with no hpct variable: the world fits on
         # the default single host (Config.from_mapping's rule, now that its size is known).
-        cfg = _reconfigure_for(group_size)
+        cfg = state.reconfigure_for(group_size)
     p = cfg.nproc_per_node
-    with _LOCK:
-        if is_world and _state.rank is None:       # torch's own init_process_group("hpct"), first world
-            places = _start_places(cfg, group_size)
-            if places is not None:
-                _state.plan_ranks = places
+    if is_world:
+        state.first_places(cfg, group_size)
     key = slots.check_key(name, index, live_groups(), is_world, forced_key)
     # Only the NCCL block still holds a port per live group (a communicator's own listener).
     engines = device_engines()
     slot = slots.choose(name, index, global_ranks, group_rank, live_groups(), cfg) if engines else None
     try:
-        peers = shared_peers(cfg.hosts, cfg.gloo_port_base, map(plan_rank, global_ranks), p)
+        peers = shared_peers(cfg.hosts, cfg.gloo_port_base, map(state.plan_rank, global_ranks), p)
     except PortPlanError as err:
         raise ConfigError(f"cannot place group {name} of {group_size} ranks: {err.problem}",
                           fix=f"set N_PROC_PER_NODE (now {p}, from {nproc_source()}) and HPCT_HOSTS/HPCT_HOSTFILE "
@@ -233,36 +168,16 @@ def _create(dist_opts, backend_options=None):
         # the group's first CUDA op, on the group's slot in the NCCL block.
         pg.attach(factory(cfg, name=name, index=index, slot=slot, group_rank=group_rank,
                           global_ranks=global_ranks, generation=gen, op_timeout=timeout,
-                          places=[plan_rank(r) for r in global_ranks]), device_type)
-    pg.on_shutdown = _forget
-    with _LOCK:
-        _state.groups.append(pg)
-        if index == 0:
-            _state.last_init_s = time.perf_counter() - t0
-            _state.formed = gen
-            if _state.rank is None:       # started through torch's own init_process_group
-                _state.rank, _state.world_size = global_ranks[group_rank], group_size
-                _state.timeout = dist_opts.timeout
+                          places=[state.plan_rank(r) for r in global_ranks]), device_type)
+    pg.on_shutdown = state.forget
+    with state.locked():
+        state.add_group(pg)
+        if index == 0:       # a world started through torch's own init_process_group takes its rank here
+            state.world_formed(gen, time.perf_counter() - t0, global_ranks[group_rank], group_size,
+                               dist_opts.timeout)
     if is_world and cfg.agent_port is not None:
-        agent_link.report_joined(cfg, plan_rank(global_ranks[group_rank]), gen, timeout)
+        agent_link.report_joined(cfg, state.plan_rank(global_ranks[group_rank]), gen, timeout)
     return pg
-
-
-def reconfigured(pg: HpctProcessGroup, *, rank: int, size: int, places: list[int], generation: int,
-                 seconds: float) -> None:
-    """The default group ``pg`` now has a new membership (reconfigure.py): groups made from now
-    on use its ranks, places in the port plan and generation."""
-    with _LOCK:
-        st = _state
-        st.rank, st.world_size, st.plan_ranks = rank, size, list(places)
-        st.generation = st.formed = generation
-        st.last_init_s = seconds
-
-
-def _forget(pg: HpctProcessGroup) -> None:
-    with _LOCK:
-        if pg in _state.groups:
-            _state.groups.remove(pg)
 
 
 def _serves_cuda() -> bool:
@@ -283,14 +198,14 @@ def device_engines() -> list:
         return ENGINES_OVERRIDE
     if not _serves_cuda():
         return []
-    from .nccl.engine import engine_for_group
+    from .nccl.plan import engine_for_group
     return [("cuda", engine_for_group)]
 
 
 def register() -> None:
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         devices = ["cpu", "cuda"] if _serves_cuda() else ["cpu"]
-        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=devices)
+        dist.Backend.register_backend(BACKEND_NAME, create_group, extended_api=True, devices=devices)
 
 
 def _disable_store_barrier() -> None:
@@ -300,66 +215,47 @@ def _disable_store_barrier() -> None:
     os.environ.pop("TORCH_DIST_INIT_BARRIER", None)
 
 
-def init_process_group(rank: int | None = None, world_size: int | None = None, *,
-                       timeout: datetime.timedelta | float | None = None,
-                       config: Config | None = None, generation: int | None = None,
-                       plan_ranks: list[int] | None = None):
-    """Start the default group rootlessly from the configuration; returns the world group.
-
-    rank/world_size default to RANK/WORLD_SIZE; timeout (seconds or timedelta) is the op
-    timeout; the connect deadline is HPCT_CONNECT_TIMEOUT; generation defaults to
-    HPCT_GENERATION (or the current one after a recovery); plan_ranks[r] is global rank r's
-    place in the port plan (default: r itself; a shrunk world passes its survivors').
-    """
-    cfg = config or Config.from_mapping()
-    follow = cfg.agent_port is not None and (rank, world_size, generation, plan_ranks) == (None,) * 4
+def members(cfg: Config, rank: int | None, world_size: int | None,
+            plan_ranks: list[int] | None) -> tuple[int, int, list[int] | None]:
+    """(rank, world size, plan places or None) of a world to connect: the given ones, else
+    RANK/WORLD_SIZE and HPCT_PLAN_PLACES (a first world only); a wrong one names the fix."""
     rank = cfg.rank if rank is None else rank
     world_size = cfg.world_size if world_size is None else world_size
     if rank is None or world_size is None:
         raise ConfigError("hpct.distributed.init_process_group needs the rank and the world size",
                           fix="pass rank= and world_size=, or set RANK and WORLD_SIZE (torchrun sets both)")
     if plan_ranks is None:
-        plan_ranks = _start_places(cfg, world_size)
+        plan_ranks = state.start_places(cfg, world_size)
     if plan_ranks is not None and len(plan_ranks) != world_size:
         raise ConfigError(f"plan_ranks places {len(plan_ranks)} ranks in the port plan, but the world has "
                           f"{world_size}",
                           fix="pass one plan place per global rank (a shrunk world keeps its survivors'), "
                               "or plan_ranks=None to place rank r at r")
-    if follow:
-        # Started by `hpct run`: a fault before this world forms moves the agents' view on, and
-        # this connect follows it (as recover() does) instead of waiting for ranks it stopped.
-        place = plan_ranks[rank] if plan_ranks is not None else rank
-        with _LOCK:
-            gen = cfg.generation if _state.generation is None else _state.generation
-        from .recovery import follow_agent      # recovery builds on this module
-        return follow_agent(cfg, place, timeout, (rank, world_size, gen, plan_ranks))
+    return rank, world_size, plan_ranks
+
+
+def connect_world(rank: int | None, world_size: int | None, *, config: Config,
+                  timeout: datetime.timedelta | float | None = None, generation: int | None = None,
+                  plan_ranks: list[int] | None = None):
+    """Connect the default group of this membership (``members``) in ``generation`` (None: the
+    current one); returns the world group.  Which world to connect is recovery.py's to decide."""
+    rank, world_size, plan_ranks = members(config, rank, world_size, plan_ranks)
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
-    with _LOCK:
-        _state.config = cfg
-        if generation is not None:
-            _state.generation = generation
-        elif _state.generation is None:
-            _state.generation = cfg.generation
-        _state.rank, _state.world_size = rank, world_size
-        _state.timeout = timeout
-        _state.plan_ranks = list(plan_ranks) if plan_ranks is not None else None
+    state.start(config, rank, world_size, generation=generation, timeout=timeout, plan_ranks=plan_ranks)
     _disable_store_barrier()
     if not dist.is_initialized():
         c10d._world.group_count = 0      # a failed earlier attempt may have advanced it
     kwargs = {"timeout": timeout} if timeout is not None else {}
-    # torch keeps only the C++ side of a Python store; the Python object must stay alive for
-    # its methods to be found when a Gloo subgroup calls them.
-    _state.store = PlaceholderStore()
-    dist.init_process_group(BACKEND_NAME, store=_state.store, rank=rank, world_size=world_size,
-                            **kwargs)
+    store = PlaceholderStore()
+    state.keep_store(store)
+    dist.init_process_group(BACKEND_NAME, store=store, rank=rank, world_size=world_size, **kwargs)
     return dist.group.WORLD
 
 
 def abort_all(reason: str = "aborted by hpct.distributed.abort_all") -> int:
     """Abort every hpct group (and connect in progress) of this process; bounded, any thread."""
-    with _LOCK:
-        groups, connecting = list(_state.groups), list(_state.connecting)
+    groups, connecting = state.live_groups(), state.connecting_contexts()
     for pg in groups:
         pg.abort(reason)
     for ctx in connecting:
@@ -375,28 +271,14 @@ def shutdown_all(timeout: float = 10.0) -> None:
     nothing; a group with an op in flight is aborted (see HpctProcessGroup.shutdown), and so
     is a connect in progress.  For the fault path use abort_all() first (recover() does).
     """
-    with _LOCK:
-        connecting = list(_state.connecting)
-    for ctx in connecting:
+    for ctx in state.connecting_contexts():
         ctx.abort("shutting down")
-    for pg in live_groups():
+    for pg in state.live_groups():
         pg.shutdown(timeout)
-        _forget(pg)
+        state.forget(pg)
     if dist.is_initialized():
         dist.destroy_process_group()
     c10d._world.group_count = 0
-
-
-def formed_generation() -> int | None:
-    """The generation in which the current world formed (None before its first)."""
-    with _LOCK:
-        return _state.formed
-
-
-def membership() -> tuple:
-    """(rank, world size, op timeout, plan places or None) of the current world."""
-    with _LOCK:
-        return _state.rank, _state.world_size, _state.timeout, _state.plan_ranks
 
 
 def group_monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) -> None:
@@ -410,4 +292,4 @@ def group_monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = Fal
 
 def last_connect_seconds() -> float | None:
     """Seconds the last default-group connect took (for benchmarks and the demo)."""
-    return _state.last_init_s
+    return state.last_connect_seconds
