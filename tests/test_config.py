@@ -233,7 +233,7 @@ def test_log_allreduce_is_the_group_size_from_which_float_sums_take_log_depth():
 
 
 def test_plan_places_place_the_first_world_only_and_must_match_its_size():
-    from hpct.distributed.world_state import WorldState
+    from hpct.distributed.membership.world_state import WorldState
     world = WorldState()
     cfg = Config.from_mapping({"HPCT_PLAN_PLACES": "0,2"})
     assert cfg.plan_places == (0, 2)

@@ -45,7 +45,7 @@ def test_the_hiding_reproduces_a_venv_without_numpy(no_numpy):
 
 BUFFERS = r"""
 import io, struct, sys, torch
-from hpct.distributed.ops import as_bytes, byte_view, to_bytes
+from hpct.distributed.backend.ops import as_bytes, byte_view, to_bytes
 assert "numpy" not in sys.modules or sys.modules["numpy"] is None
 t = torch.tensor([1.5, -2.0], dtype=torch.float32)
 assert to_bytes(t) == struct.pack("<2f", 1.5, -2.0)

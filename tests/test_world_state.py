@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hpct.config import Config
-from hpct.distributed.world_state import WorldState
+from hpct.distributed.membership.world_state import WorldState
 
 pytestmark = pytest.mark.unit
 

@@ -66,7 +66,7 @@ atexit.register(_exit_on_breach)
 def install(**faults) -> None:
     """Route the CPU tensors of every hpct group made from now on to the NCCL engine over the
     simulated library and runtime (the test-only switch).  ``faults`` go to SimNccl."""
-    from hpct.distributed import world
+    from hpct.distributed.membership import world
     from hpct.distributed.nccl.plan import engine_for_group
 
     from .library import SimNccl

@@ -24,8 +24,8 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from ..errors import ParityError
-from .ops import as_bytes
+from ...errors import ParityError
+from ..backend.ops import as_bytes
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns); older torch has only that
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

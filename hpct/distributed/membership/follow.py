@@ -9,8 +9,8 @@ recovery.py decides when to follow (a first world, a recovery, a grow); world.py
 
 from __future__ import annotations
 
-from ..config import Config
-from ..errors import FormationError, RendezvousError
+from ...config import Config
+from ...errors import FormationError, RendezvousError
 from . import agent_link, world
 from .world_state import state
 

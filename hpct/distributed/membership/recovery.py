@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import datetime
 
-from ..config import Config
-from ..errors import ConfigError
+from ...config import Config
+from ...errors import ConfigError
 from . import world
 from .follow import follow_agent
 from .world_state import state

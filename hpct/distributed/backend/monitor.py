@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ..errors import CollectiveError
+from ...errors import CollectiveError
 
 ARRIVE_TAG = (1 << 30) + 17
 RELEASE_TAG = (1 << 30) + 18

@@ -37,12 +37,12 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from .. import _gloo
-from ..errors import HpctArgumentError
+from ... import _gloo
+from ...errors import HpctArgumentError
+from ..backend.runner import done_work
+from ..backend.work import HpctWork
 from . import world
 from .world_state import state
-from .runner import done_work
-from .work import HpctWork
 
 HANDLE_PREFIX = "hpct1"
 MAX_GENERATION = (1 << 31) - 1

@@ -30,13 +30,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from .. import _gloo
-from ..config import NPROC_DEFAULT, Config, nproc_source
-from ..errors import ConfigError, FormationError, PortPlanError, RendezvousError
-from ..ports import shared_peers
-from . import agent_link, checks, slots
-from .group import BACKEND_NAME, HpctProcessGroup
-from .monitor import monitored_barrier as _monitored_barrier
+from ... import _gloo
+from ...config import NPROC_DEFAULT, Config, nproc_source
+from ...errors import ConfigError, FormationError, PortPlanError, RendezvousError
+from ...ports import shared_peers
+from ..backend import checks
+from ..backend.group import BACKEND_NAME, HpctProcessGroup
+from ..backend.monitor import monitored_barrier as _monitored_barrier
+from . import agent_link, slots
 from .slots import PlaceholderStore
 from .world_state import state
 
@@ -186,7 +187,7 @@ def _serves_cuda() -> bool:
 
 
 # The engines a group gets besides Gloo's, as [(device type served, factory)], when not None.
-# tests/nccl_sim sets it to route CPU tensors to the NCCL engine over a simulated library and
+# hpct/testing/nccl_sim sets it to route CPU tensors to the NCCL engine over a simulated library and
 # CUDA runtime (a test seam: nothing in hpct sets it).
 ENGINES_OVERRIDE: list | None = None
 
@@ -198,7 +199,7 @@ def device_engines() -> list:
         return ENGINES_OVERRIDE
     if not _serves_cuda():
         return []
-    from .nccl.plan import engine_for_group
+    from ..nccl.plan import engine_for_group
     return [("cuda", engine_for_group)]
 
 

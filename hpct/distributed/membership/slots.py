@@ -33,8 +33,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .. import _gloo
-from ..errors import CollectiveError, PortPlanError, RendezvousError
+from ... import _gloo
+from ...errors import CollectiveError, PortPlanError, RendezvousError
 
 def group_key(index: int, is_world: bool | None = None) -> int:
     """The key a group's Gloo handshakes carry (see the module doc); a subgroup never gets 0,

@@ -37,9 +37,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..config import Config
-from ..errors import ConfigError, HpctArgumentError, PortPlanError, RendezvousError
-from ..ports import host_of
+from ...config import Config
+from ...errors import ConfigError, HpctArgumentError, PortPlanError, RendezvousError
+from ...ports import host_of
 from . import agent_link, follow, world
 from .world_state import state
 

@@ -7,7 +7,7 @@ import io
 import torch
 import torch.distributed as dist
 
-from .ops import to_bytes
+from ..backend.ops import to_bytes
 
 # Steps a state may have reached: key * world size stays far inside int64 up to 2**20 ranks.
 _PROGRESS_LIMIT = 1 << 40

@@ -18,10 +18,10 @@ from __future__ import annotations
 import os
 import threading
 
-from .. import wire
-from ..config import Config
-from ..errors import RendezvousError
-from ..ports import host_of
+from ... import wire
+from ...config import Config
+from ...errors import RendezvousError
+from ...ports import host_of
 
 
 def _address(cfg: Config, place: int) -> tuple[str, int]:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..errors import HpctArgumentError
+from ...errors import HpctArgumentError
 
 QUANTIZE = (None, "fp16", "int8")
 INT8_MAX = 127.0

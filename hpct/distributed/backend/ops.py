@@ -27,7 +27,7 @@ import ctypes
 import torch
 from torch.distributed import ReduceOp
 
-from ..errors import HpctArgumentError
+from ...errors import HpctArgumentError
 
 NATIVE = {torch.float32: "float32", torch.float64: "float64",
           torch.int32: "int32", torch.int64: "int64"}

@@ -37,7 +37,7 @@ import threading
 import torch
 from torch.futures import Future
 
-from .. import _gloo
+from ... import _gloo
 from .work import HpctWork
 
 

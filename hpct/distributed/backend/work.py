@@ -8,7 +8,7 @@ import threading
 import torch.distributed as dist
 from torch.futures import Future
 
-from ..errors import CollectiveError
+from ...errors import CollectiveError
 
 
 class HpctWork(dist.Work):

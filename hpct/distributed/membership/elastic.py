@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from ..errors import HpctArgumentError
+from ...errors import HpctArgumentError
 from . import recovery, world
 from .world import HpctProcessGroup     # only world builds groups (tests/test_layout.py)
 from .world_state import state

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..errors import HpctArgumentError
+from ...errors import HpctArgumentError
 
 MAX_STRIPES = 64
 

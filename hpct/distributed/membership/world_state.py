@@ -19,8 +19,8 @@ import contextlib
 import datetime
 import threading
 
-from ..config import Config
-from ..errors import ConfigError
+from ...config import Config
+from ...errors import ConfigError
 
 
 class WorldState:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import HpctArgumentError
+from ...errors import HpctArgumentError
 from . import ops
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _gloo
+from ... import _gloo
 from . import ops
 from .runner import Runner, failed_work
 from .work import HpctP2PWork
