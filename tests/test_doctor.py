@@ -516,7 +516,7 @@ def test_live_extension_row_when_built():
 
 @pytest.mark.multihost
 def test_kernel_row_against_a_real_namespace():
-    from netns import netns, unavailable_reason
+    from hpct.testing.netns import netns, unavailable_reason
     if unavailable_reason():
         pytest.skip(unavailable_reason())
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("HPCT_")}, "HPCT_PORT_BASE": "40000"}

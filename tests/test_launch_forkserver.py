@@ -16,7 +16,7 @@ import pytest
 from hpct.launch.forkserver import ForkServer
 from hpct.launch.pool import Pool
 from hpct.ports import free_port_block
-from launch_cluster import Agents
+from hpct.testing.cluster import Agents
 from test_launch_recovery import EXAMPLE, LIMIT_S, LONG_STEPS, check_replaced, stock_digest, wait_progress
 
 pytestmark = pytest.mark.multiprocess

@@ -20,8 +20,8 @@ import pytest
 
 from hpct.launch.membership import HEARTBEAT_S, REFUSED_S
 from hpct.ports import free_port_block
-from launch_cluster import Agents, progress, records
-from netns import netns_network, unavailable_reason
+from hpct.testing.cluster import Agents, progress, records
+from hpct.testing.netns import netns_network, unavailable_reason
 from util import run_rank_script
 
 # serial: the profile measured it filling both cores or timing itself (ci/test.sh)

@@ -162,6 +162,15 @@ def test_harness_lives_beside_the_demo_not_in_the_runtime():
     assert all((demo / f"{m}.py").is_file() for m in ("agent", "trainer", "measure"))
 
 
+def test_the_installed_harness_carries_what_it_runs():
+    """The tests and benchmarks import the harness from the installed hpct (hpct.testing), never
+    from the checkout; its null NCCL compiles null.c from beside null.py at run time, so the wheel
+    carries that source with the package's modules."""
+    from hpct.testing.nccl_sim import null
+    assert Path(null.__file__).is_relative_to(Path(hpct.__file__).parent)
+    assert null.SOURCE.is_file(), f"{null.SOURCE}: not installed with hpct.testing"
+
+
 def test_one_hierarchy_with_distinct_exit_codes():
     codes = errors.EXIT_CODES
     assert len(set(codes.values())) == len(codes), codes

@@ -7,9 +7,9 @@ deleted in ``finally`` blocks; names carry a random suffix so parallel runs neve
 collide.  Every command has a timeout.
 
 Children run with cwd "/" so that ``python -c`` imports the installed hpct, never a
-checkout in the current folder.  Use (tests/ is on pytest's pythonpath)::
+checkout in the current folder.  Use (an installed part of hpct, for the tests and benchmarks/)::
 
-    from netns import netns, netns_network, unavailable_reason
+    from hpct.testing.netns import netns, netns_network, unavailable_reason
 
 
     with netns("hpct-sysctl") as ns:

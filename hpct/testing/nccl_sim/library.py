@@ -21,6 +21,9 @@ call open a little so that a race shows), no call after abort or destroy, no abo
 revoke that left a group job dangling, no group left open or nested on a thread (an exception
 between ncclGroupStart and ncclGroupEnd), no launch before the init or the previous launch
 settled.
+
+One module over 400 lines, one concern: the one object the engine sees as its NCCL, whose calls
+share the rules above (kernels, the ring and the streams are the modules beside it).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import time
 
 from hpct.distributed.nccl import library as nccl_lib
 
-from . import breach
+from .breaches import breach
 from .bootstrap import RingError, listen, ring_addresses, split_addr
 from .callbacks import COLL, GATHER, GROUP, NCCL_INTERNAL_ERROR, P2P, ROOTED, Table
 from .kernels import Kernel
@@ -81,7 +84,7 @@ class SimNccl:
     never taken), ``hang_op`` (kernels never complete), ``init_delay`` (seconds the init takes
     after the ring), ``jitter`` (seconds a call is held open, at most)."""
 
-    path, how, shared_with_torch = "simulated", "tests/nccl_sim", False
+    path, how, shared_with_torch = "simulated", "hpct/testing/nccl_sim", False
     version = 23007
     version_text = "2.30.7 (simulated)"
     has_rootless = has_revoke = True

@@ -1,5 +1,5 @@
 /* A null NCCL and CUDA driver for the engine's native launch: every call succeeds at once.
- * tests/nccl_sim/null.py compiles it; each function has the signature of the one it stands for.
+ * hpct/testing/nccl_sim/null.py compiles it; each function has the signature of the one it stands for.
  * null_calls counts the calls (a test checks the launch made them); hold_group_end makes
  * ncclGroupEnd wait, natively and without Python, until null_release is set or 10 s pass (a test
  * checks the launch runs without the GIL: a Python thread must set it meanwhile). */

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from . import breach
+from .breaches import breach
 from .callbacks import CAPTURING, CUDA_ERROR_UNKNOWN, RECORD, SYNC, WAIT, Table
 
 HANG_S = 300.0            # a host wait longer than this is a hang in the test, not a slow op
@@ -132,7 +132,7 @@ class SimRuntime:
         return True
 
     def describe(self) -> str:
-        return "simulated CUDA runtime (tests/nccl_sim)"
+        return "simulated CUDA runtime (hpct/testing/nccl_sim)"
 
     def default_device(self) -> torch.device:
         return torch.device("cpu")

@@ -28,9 +28,9 @@ Details that keep it honest:
   goes away; the context manager kills it and deletes every namespace in ``finally``.
   All traffic stays inside namespaces made here.
 
-Use (tests/ is on pytest's pythonpath)::
+Use (an installed part of hpct, for the tests and benchmarks/)::
 
-    from lossy import lossy_network
+    from hpct.testing.lossy import lossy_network
 
     with lossy_network(4, loss=0.05, delay_ms=20) as net:
         net.nodes[0].address           # "10.232.0.1"
@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from netns import Namespace, hub_and_hosts
+from hpct.testing.netns import Namespace, hub_and_hosts
 
 FORWARDER = str(Path(__file__).resolve())
 READY_TIMEOUT_S = 20.0

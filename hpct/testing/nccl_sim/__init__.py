@@ -27,40 +27,17 @@ What it proves: the engine's logic.  What only a GPU proves: NCCL itself on real
 latency (docs/gpu.md).
 
 ``install()`` is the test-only switch: groups made after it route their CPU tensors to the
-NCCL engine over this pair (hpct.distributed.world.ENGINES_OVERRIDE).
+NCCL engine over this pair (hpct.distributed.membership.world.ENGINES_OVERRIDE).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-import sys
-import threading
 
-BREACHES: list[str] = []
-_lock = threading.Lock()
+from .breaches import BREACHES, SimBreach, breach
 
-
-class SimBreach(BaseException):
-    """The engine broke a rule of NCCL or CUDA.  A BaseException, so that no ``except
-    Exception`` in the engine (its watchdog's) can swallow it."""
-
-
-def breach(text: str) -> SimBreach:
-    with _lock:
-        BREACHES.append(text)
-    print(f"NCCL SIM BREACH: {text}", file=sys.stderr, flush=True)
-    return SimBreach(text)
-
-
-def _exit_on_breach() -> None:
-    if BREACHES:
-        print(f"NCCL SIM: {len(BREACHES)} breach(es) in this process:\n  " + "\n  ".join(BREACHES),
-              file=sys.stderr, flush=True)
-        os._exit(86)
-
-
-atexit.register(_exit_on_breach)
+__all__ = ["BREACHES", "SimBreach", "breach", "install"]
 
 
 def install(**faults) -> None:
