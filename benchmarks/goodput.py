@@ -50,12 +50,12 @@ import time
 import uuid
 from pathlib import Path
 
-from hpct.testing.procs import descendants, environ, kill_tagged
+from hpct.testing.procs import TAG_VAR, descendants, environ, kill_tagged, torch_version
 
 import goodput_faults as gf
 import goodput_reference
-from launch import EXAMPLE, TAG_VAR, torch_version
 
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "ddp.py"   # the job every system runs
 SUBNET = "10.238.0"
 SYSTEMS = {"hpct": "hpct run --standby 1 --fork-server", "stock": "torchrun --max-restarts, checkpoint every K steps"}
 CALIBRATION_STEPS = 100       # 30 timed the step to within 7 % only (goodput_faults.clear_step_s)

@@ -48,7 +48,6 @@ Every process a run starts carries a tag in its environment and is SIGKILLed at 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import signal
@@ -61,12 +60,13 @@ import shutil
 import uuid
 from pathlib import Path
 
-from hpct.testing.procs import descendants, environ, kill_tagged
+from hpct.testing.procs import TAG_VAR, descendants, environ, kill_tagged, torch_version
+
+from tables import table
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "ddp.py"
 SUBNET = "10.237.0"
-TAG_VAR = "BENCH_LAUNCH_TAG"        # marks every process a run starts (killed by it in finally)
 LAUNCHERS = {
     "hpct": "hpct run",
     "hpct-spawn": "hpct run --no-fork-server",
@@ -355,13 +355,6 @@ def summarise(runs: list[dict]) -> dict:
             "started": "/".join(sorted({how for r in ok for how in r.get("started", [])})) or "-"}
 
 
-def table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    fmt = lambda cells: "| " + " | ".join(c.ljust(w) if i < 2 else c.rjust(w)   # noqa: E731
-                                          for i, (c, w) in enumerate(zip(cells, widths))) + " |"
-    return "\n".join([fmt(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, rows)])
-
-
 def render(configs: list[dict], args) -> str:
     rows, goals = [], []
     early = args.kill_after_first_step is not None
@@ -405,13 +398,6 @@ def _goal(c: dict, stock: float | None, early: bool) -> str:
     met = warm < EARLY_GOAL_S if early else stock / warm >= 10 and warm < 1.0
     return (f"  {c['config']}: {warm:.3f} s, {stock / warm:.1f}x faster than torchrun's restart "
             f"({stock:.3f} s): {'met' if met else 'NOT met'}")
-
-
-def torch_version() -> str:
-    try:
-        return importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        return "?"
 
 
 def _config(text: str) -> tuple[int, int]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import signal
 from pathlib import Path
@@ -49,3 +50,14 @@ def kill_tagged(var: str, tag: str) -> None:
                 os.kill(int(name), signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+TAG_VAR = "BENCH_LAUNCH_TAG"      # the variable a benchmark's run marks every process it starts with
+
+
+def torch_version() -> str:
+    """The installed torch's version, as a run's report names it ("?" without torch)."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
