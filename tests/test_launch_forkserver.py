@@ -17,7 +17,7 @@ from hpct.launch.forkserver import ForkServer
 from hpct.launch.pool import Pool
 from hpct.ports import free_port_block
 from hpct.testing.cluster import Agents
-from test_launch_recovery import EXAMPLE, LIMIT_S, LONG_STEPS, check_replaced, stock_digest, wait_progress
+from launch_jobs import EXAMPLE, LIMIT_S, LONG_STEPS, check_replaced, stock_digest, wait_progress
 
 pytestmark = pytest.mark.multiprocess
 

@@ -15,7 +15,7 @@ import pytest
 
 from hpct.testing.cluster import Agents, records
 from hpct.testing.netns import unavailable_reason
-from test_launch_recovery import EXAMPLE, FSDP2, LIMIT_S, stock_digest, wait_progress
+from launch_jobs import EXAMPLE, FSDP2, LIMIT_S, stock_digest, wait_progress
 
 pytestmark = [pytest.mark.serial, pytest.mark.multihost]
 

@@ -81,7 +81,8 @@ def test_byte_buffers_without_numpy(no_numpy):
 @pytest.mark.multiprocess
 def test_every_collective_matches_processgroupgloo_without_numpy(no_numpy, tmp_path):
     """The backend parity run (tests/test_backend.py's workers), with numpy hidden from every rank."""
-    from test_backend import SUPERSET, WORLD, run, same
+    from backend_parity import SUPERSET, WORLD, run
+    from util import same
     gloo, _ = run(tmp_path, "gloo", [0, 1, 2, 3])
     hpct, _ = run(tmp_path, "hpct", [3, 2, 1, 0])
     def errors(runs):
