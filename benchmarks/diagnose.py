@@ -60,7 +60,7 @@ def run_matrix(nodes, extra: list[str], nbytes: int, timeout: float, wall: list 
 
 
 def slow_table(host_counts: list[int], ratios: list[int], timeout: float) -> None:
-    from netns import limited_link, netns_network
+    from hpct.testing.netns import limited_link, netns_network
     rows = []
     for n in host_counts:
         with netns_network(n, "hpct-bslow", "10.236.0") as nodes:
@@ -94,8 +94,7 @@ def main() -> int:
     ap.add_argument("--no-profile", action="store_true", help="leave out the DDP profiler's part")
     args = ap.parse_args()
     sizes = [int(x) for x in args.hosts.split(",") if x]
-    sys.path.insert(0, str(REPO / "tests"))
-    from netns import netns_network, unavailable_reason   # the multihost tests' harness
+    from hpct.testing.netns import netns_network, unavailable_reason   # the harness the multihost tests use too
     why = unavailable_reason()
     if why:
         raise SystemExit(f"benchmarks/diagnose.py needs network namespaces: {why}")

@@ -2,7 +2,7 @@
 
     sudo python benchmarks/diloco.py [--world 4] [--steps 200] [--h 50] [--delay-ms 20] [--loss 0]
 
-Each rank runs in its own network namespace behind the tests' userspace switch (tests/lossy.py:
+Each rank runs in its own network namespace behind the tests' userspace switch (hpct/testing/lossy.py:
 this kernel has no netem), which adds ``--delay-ms`` one way and drops ``--loss`` of the frames.
 Bytes are the namespaces' eth0 transmit counters (everything on the wire: payload, TCP/IP
 headers, retransmissions), summed over ranks and divided by the steps.  DDP runs on torch's
@@ -69,9 +69,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(REPO / "tests"))
-    from lossy import lossy_network                 # the tests' userspace impairment
-    from netns import unavailable_reason
+    from hpct.testing.lossy import lossy_network                 # the userspace impairment the tests use too
+    from hpct.testing.netns import unavailable_reason
     why = unavailable_reason()
     if why:
         print(f"benchmarks/diloco.py: network namespaces are unavailable: {why}", file=sys.stderr)

@@ -34,7 +34,7 @@ if mode == "ddp-gloo":
     from torch.nn.parallel import DistributedDataParallel
     net, diloco = DistributedDataParallel(model), None
 else:
-    from hpct.distributed.diloco import DiLoCo
+    from hpct.distributed.training.diloco import DiLoCo
     quantize = {"diloco": None, "diloco-fp16": "fp16", "diloco-int8": "int8"}[mode]
     net, diloco = model, DiLoCo(model, sync_every=h, quantize=quantize)
 dist.barrier()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The NCCL engine's own path per op, on a CPU: the engine over a null NCCL and runtime.
 
-Every NCCL call and CUDA driver call is a C function that returns at once (tests/nccl_sim/null.c,
+Every NCCL call and CUDA driver call is a C function that returns at once (hpct/testing/nccl_sim/null.c,
 called by the engine's native launch through its addresses, as libnccl's and libcuda's are on a
 GPU), so what is timed is hpct's code alone: building the op, the Work, the launch (one native call:
 the capture check, the follow, the group, the end event), the bookkeeping, the wait; with
@@ -32,10 +32,6 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))    # the null doubles
-
 
 PLAIN_TARGET_US, FUTURE_TARGET_US = 6.0, 10.0
 
@@ -59,7 +55,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from hpct.distributed.nccl.engine import NcclEngine
-    from nccl_sim.null import NullNccl, NullRuntime
+    from hpct.testing.nccl_sim.null import NullNccl, NullRuntime
 
     lib = NullNccl()
 

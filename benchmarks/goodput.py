@@ -18,7 +18,7 @@ worker; SIGSTOP of a worker for ``--stop-s`` (below the op timeout), ``--stop-lo
 it) or for good (``hang``: its system must kill it); a SIGKILL and another one ``--during-s``
 later, inside the first one's recovery; a node lost (its agent and every process under it
 SIGKILLed); a lossy link (5 % loss and 20 ms delay on one node's link for ``--lossy-s``).  With
-``lossy`` among the kinds the nodes are joined by the tests' userspace switch (tests/lossy.py,
+``lossy`` among the kinds the nodes are joined by the tests' userspace switch (hpct/testing/lossy.py,
 which can impair one link at a time) instead of a bridge, for both systems.  Reported for each
 system:
 
@@ -50,10 +50,12 @@ import time
 import uuid
 from pathlib import Path
 
+from hpct.testing.procs import TAG_VAR, descendants, environ, kill_tagged, torch_version
+
 import goodput_faults as gf
 import goodput_reference
-from launch import EXAMPLE, REPO, TAG_VAR, _descendants, _environ, _kill_tagged, _torch_version
 
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "ddp.py"   # the job every system runs
 SUBNET = "10.238.0"
 SYSTEMS = {"hpct": "hpct run --standby 1 --fork-server", "stock": "torchrun --max-restarts, checkpoint every K steps"}
 CALIBRATION_STEPS = 100       # 30 timed the step to within 7 % only (goodput_faults.clear_step_s)
@@ -102,7 +104,7 @@ class Job:
     def start(self) -> None:
         env = {"OMP_NUM_THREADS": "1", TAG_VAR: self.tag}
         if self.system == "hpct":
-            from launch_cluster import Agents
+            from hpct.testing.cluster import Agents
             every = self.nodes + self.spares
             flags = ["--nnodes", str(self.nodes), "--nproc-per-node", str(self.nproc), "--standby", str(self.standby),
                      "--spare-nodes", str(self.spares), "--rdzv-id", "goodput",
@@ -141,7 +143,7 @@ class Job:
         whole job again from its checkpoint (a static torchrun job cannot take a node back) once
         the node is back; hpct goes on without it, and gets it back after --node-return-s."""
         agent = self.procs[node].pid
-        victims = [agent, *_descendants([agent])]
+        victims = [agent, *descendants([agent])]
         for pid in victims:
             _signal(pid, signal.SIGKILL)
         self.lost.add(node)
@@ -152,7 +154,7 @@ class Job:
                 except (ProcessLookupError, PermissionError):
                     pass
                 p.wait(timeout=30)
-            _kill_tagged(self.tag)
+            kill_tagged(TAG_VAR, self.tag)
             self.owed += 1
         if self.args.node_return_s > 0 or self.system == "stock":
             self.returns[node] = time.time() + self.args.node_return_s
@@ -200,8 +202,8 @@ class Job:
             starts = [e for n in range(self.nodes + self.spares) for e in self.agents.events(n, "start")]
             return gf.holders(starts, self.world, _alive)
         best: dict[int, tuple[int, int]] = {}
-        for pid in _descendants([p.pid for p in self.procs]):
-            e = _environ(pid)
+        for pid in descendants([p.pid for p in self.procs]):
+            e = environ(pid)
             if e.get(TAG_VAR) == self.tag and "RANK" in e and "TORCHELASTIC_RESTART_COUNT" in e and _alive(pid):
                 key = (int(e["TORCHELASTIC_RESTART_COUNT"]), pid)
                 best[int(e["RANK"])] = max(best.get(int(e["RANK"]), key), key)
@@ -230,7 +232,7 @@ class Job:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        _kill_tagged(self.tag)
+        kill_tagged(TAG_VAR, self.tag)
 
 
 def _signal(pid: int, sig: int) -> bool:
@@ -243,7 +245,7 @@ def _signal(pid: int, sig: int) -> bool:
 
 def _first_step(job: Job, deadline: float) -> float:
     """time.time() when every rank has completed a step (the schedule's zero)."""
-    from launch_cluster import progress
+    from hpct.testing.cluster import progress
     while min(progress(job.out, r) for r in range(job.world)) < 1:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{job.system}: not every rank completed a step in time\n{job.logs_tail()}")
@@ -256,7 +258,7 @@ def _first_step(job: Job, deadline: float) -> float:
 def run(system: str, ns, args, steps: int, step_time: float, faults: list[gf.Fault], net=None,
         calibration: bool = False) -> dict:
     """One job to its end, the faults applied on schedule; its step logs, records and faults.
-    ``net``: the lossy network (tests/lossy.py) whose links the ``lossy`` faults impair;
+    ``net``: the lossy network (hpct/testing/lossy.py) whose links the ``lossy`` faults impair;
     ``calibration``: without faults, and without a fork server also without standbys and spare (Job)."""
     tmp = Path(tempfile.mkdtemp(prefix=f"hpct-goodput-{system}-"))
     job = Job(system, tmp, ns, args, steps, step_time, calibration)
@@ -349,7 +351,7 @@ def run(system: str, ns, args, steps: int, step_time: float, faults: list[gf.Fau
 def _reference(system: str, reduction: str, ns, args) -> dict:
     """The fault-free run's digest for ``reduction``: from the cache, else run (``system``, no
     faults, no simulated compute) and kept when clean."""
-    ref_key = goodput_reference.key(EXAMPLE, _torch_version(), args.nodes, args.nproc, args.steps, reduction)
+    ref_key = goodput_reference.key(EXAMPLE, torch_version(), args.nodes, args.nproc, args.steps, reduction)
     cached = None if args.fresh_reference else goodput_reference.load(ref_key)
     if cached:
         print(f"goodput: the fault-free digest of these {args.steps} steps ({reduction} order) from "
@@ -392,8 +394,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from goodput_report import check_args, report
     check_args(args, ap)
-    sys.path.insert(0, str(REPO / "tests"))      # the namespaces and agents harness of the tests
-    from netns import netns_network, unavailable_reason
+    from hpct.testing.netns import netns_network, unavailable_reason
     if why := unavailable_reason():
         print(f"goodput: {why}", file=sys.stderr)
         return 1
@@ -401,7 +402,7 @@ def main(argv=None) -> int:
     results = {}
     lossy = "lossy" in args.kinds
     if lossy:
-        from lossy import lossy_network
+        from hpct.testing.lossy import lossy_network
         network = lossy_network(args.nodes + 1, name_prefix="hpct-bgood", subnet=SUBNET,
                                 max_seconds=5 * args.timeout + 600)
     else:
@@ -442,7 +443,7 @@ def main(argv=None) -> int:
             shutil.rmtree(r["tmp"], ignore_errors=True)
     if args.json:
         tmp = Path(args.json + ".tmp")
-        tmp.write_text(json.dumps({**doc, "torch": _torch_version(), "cpus": os.cpu_count()}, indent=1) + "\n")
+        tmp.write_text(json.dumps({**doc, "torch": torch_version(), "cpus": os.cpu_count()}, indent=1) + "\n")
         os.replace(tmp, args.json)
     return 0 if ok else 1
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import goodput_faults as gf
-from launch import table
+from tables import table
 
 SCHEMA = 1
 GOAL_GOODPUT, GOAL_LOST_RATIO, GOAL_MINUTES, GOAL_MTBF_S = 0.97, 1 / 3, 30, 120      # issue 42's targets

@@ -48,7 +48,6 @@ Every process a run starts carries a tag in its environment and is SIGKILLed at 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import signal
@@ -61,10 +60,13 @@ import shutil
 import uuid
 from pathlib import Path
 
+from hpct.testing.procs import TAG_VAR, descendants, environ, kill_tagged, torch_version
+
+from tables import table
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "ddp.py"
 SUBNET = "10.237.0"
-TAG_VAR = "BENCH_LAUNCH_TAG"        # marks every process a run starts (killed by it in finally)
 LAUNCHERS = {
     "hpct": "hpct run",
     "hpct-spawn": "hpct run --no-fork-server",
@@ -80,50 +82,8 @@ EARLY_GOAL = "a worker killed {s:g} s after the job's first completed step: ever
 EARLY_GOAL_S = 1.0
 
 
-# ---- processes -------------------------------------------------------------------------------
-
-def _ppid_map() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{name}/stat").read_text()
-        except OSError:
-            continue
-        kids.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(name))
-    return kids
-
-
-def _descendants(roots: list[int]) -> list[int]:
-    kids, found, todo = _ppid_map(), [], list(roots)
-    while todo:
-        for child in kids.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
-
-
-def _kill_tagged(tag: str) -> None:
-    """SIGKILL every process carrying this run's tag (agents, standbys, workers, torchrun's)."""
-    for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) != os.getpid() and _environ(int(name)).get(TAG_VAR) == tag:
-            try:
-                os.kill(int(name), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
 def _wait_progress(out: Path, rank: int, step: int, deadline: float, alive, what: str) -> None:
-    from launch_cluster import progress
+    from hpct.testing.cluster import progress
     while progress(out, rank) < step:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what}: rank {rank} did not complete {step} steps in time")
@@ -135,7 +95,7 @@ def _wait_progress(out: Path, rank: int, step: int, deadline: float, alive, what
 def _wait_first_steps(out: Path, world: int, delay: float, deadline: float, alive, what: str) -> None:
     """Wait until every rank has completed its first step (the job's first completed step), then
     ``delay`` seconds more."""
-    from launch_cluster import progress
+    from hpct.testing.cluster import progress
     while not all(progress(out, r) >= 1 for r in range(world)):
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what}: the job's first step was not completed in time")
@@ -148,7 +108,7 @@ def _wait_first_steps(out: Path, world: int, delay: float, deadline: float, aliv
 def _kill(out: Path, world: int, pid: int, *others: int) -> tuple[float, dict[int, int]]:
     """SIGKILL ``pid`` (and ``others`` that are still there); returns the kill time (time.time(),
     taken right before os.kill) and every rank's completed steps read just before."""
-    from launch_cluster import progress
+    from hpct.testing.cluster import progress
     before = {r: progress(out, r) for r in range(world)}
     t_kill = time.time()
     os.kill(pid, signal.SIGKILL)
@@ -163,7 +123,7 @@ def _kill(out: Path, world: int, pid: int, *others: int) -> tuple[float, dict[in
 # ---- analysis --------------------------------------------------------------------------------
 
 def analyse(out: Path, world: int, t_kill: float, before: dict[int, int], pids: dict[int, int]) -> dict:
-    from launch_cluster import records
+    from hpct.testing.cluster import records
     recs = records(out)
     by_rank: dict[int, list[dict]] = {}
     for r in recs:
@@ -192,7 +152,7 @@ def analyse(out: Path, world: int, t_kill: float, before: dict[int, int], pids: 
 
 def run_hpct(tmp: Path, nodes: int, nproc: int, standby: int, args, ns, tag: str, node_loss: bool = False,
              spares: int = 0, fork_server: bool = True) -> dict:
-    from launch_cluster import Agents
+    from hpct.testing.cluster import Agents
     from hpct.ports import free_port_block
     world, victim = nodes * nproc, nodes * nproc - 1
     if node_loss and nodes < 3:
@@ -215,7 +175,7 @@ def run_hpct(tmp: Path, nodes: int, nproc: int, standby: int, args, ns, tag: str
         try:
             agents.start()
             alive = lambda: all(p.poll() is None for p in agents.procs)   # noqa: E731
-            from launch_cluster import progress
+            from hpct.testing.cluster import progress
             early = args.kill_after_first_step is not None
             for n in range(nodes + spares):
                 # A spare keeps one standby per local rank; with a fork server, none (its workers are forked).
@@ -240,7 +200,7 @@ def run_hpct(tmp: Path, nodes: int, nproc: int, standby: int, args, ns, tag: str
             pids = {r: agents.worker_pid(r // nproc, r) for r in range(world)}
             if node_loss:
                 agent = agents.procs[nodes - 1].pid          # the node goes: its agent and all under it
-                t_kill, before = _kill(out, world, agent, *_descendants([agent]))
+                t_kill, before = _kill(out, world, agent, *descendants([agent]))
                 codes = [agents.procs[n].wait(timeout=max(1.0, deadline - time.monotonic()))
                          for n in range(nodes + spares) if n != nodes - 1]
                 if codes != [0] * (nodes + spares - 1):
@@ -320,8 +280,8 @@ def run_torchrun(tmp: Path, nodes: int, nproc: int, args, ns, tag: str) -> dict:
         else:
             _wait_progress(out, victim, args.kill_step, deadline, alive, what)
         pids: dict[int, int] = {}
-        for pid in _descendants([p.pid for p in procs]):
-            e = _environ(pid)
+        for pid in descendants([p.pid for p in procs]):
+            e = environ(pid)
             if e.get(TAG_VAR) == tag and e.get("TORCHELASTIC_RESTART_COUNT") == "0" and "RANK" in e:
                 pids[int(e["RANK"])] = pid
         if sorted(pids) != list(range(world)):
@@ -369,7 +329,7 @@ def run_once(launcher: str, nodes: int, nproc: int, args, ns) -> dict:
     except (TimeoutError, RuntimeError, OSError, KeyError, ValueError) as err:
         run["error"] = str(err).strip()
     finally:
-        _kill_tagged(tag)
+        kill_tagged(TAG_VAR, tag)
         if run["error"] is None and not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
@@ -395,13 +355,6 @@ def summarise(runs: list[dict]) -> dict:
             "started": "/".join(sorted({how for r in ok for how in r.get("started", [])})) or "-"}
 
 
-def table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    fmt = lambda cells: "| " + " | ".join(c.ljust(w) if i < 2 else c.rjust(w)   # noqa: E731
-                                          for i, (c, w) in enumerate(zip(cells, widths))) + " |"
-    return "\n".join([fmt(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, rows)])
-
-
 def render(configs: list[dict], args) -> str:
     rows, goals = [], []
     early = args.kill_after_first_step is not None
@@ -420,7 +373,7 @@ def render(configs: list[dict], args) -> str:
             else f"after step {args.kill_step}")
     title = (f"Worker loss: SIGKILL of the last rank {when} -> first step completed by "
              f"every rank after it, max over ranks (examples/ddp.py, --steps {args.steps}, --step-time "
-             f"{args.step_time:g}; {os.cpu_count()} CPUs, torch {_torch_version()}, median of {args.repeat})")
+             f"{args.step_time:g}; {os.cpu_count()} CPUs, torch {torch_version()}, median of {args.repeat})")
     head = ["config", "launcher", "recovery (s)", "steps lost", "ranks restarted", "replacement", "torchrun/this",
             "runs ok"]
     note = ("torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (its restart fails with the shared store: "
@@ -445,13 +398,6 @@ def _goal(c: dict, stock: float | None, early: bool) -> str:
     met = warm < EARLY_GOAL_S if early else stock / warm >= 10 and warm < 1.0
     return (f"  {c['config']}: {warm:.3f} s, {stock / warm:.1f}x faster than torchrun's restart "
             f"({stock:.3f} s): {'met' if met else 'NOT met'}")
-
-
-def _torch_version() -> str:
-    try:
-        return importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        return "?"
 
 
 def _config(text: str) -> tuple[int, int]:
@@ -494,7 +440,6 @@ def main(argv=None) -> int:
         raise SystemExit(f"--launchers: unknown {', '.join(unknown)} (known: {', '.join(LAUNCHERS)})")
     if not 1 <= args.kill_step < args.steps:
         raise SystemExit(f"--kill-step {args.kill_step} must be at least 1 and below --steps {args.steps}")
-    sys.path.insert(0, str(REPO / "tests"))      # the harness shared with tests/test_launch_recovery.py
     started = time.monotonic()
     results = []
     for nodes, nproc in configs:
@@ -504,7 +449,7 @@ def main(argv=None) -> int:
             for launcher in launchers:
                 runs += [run_once(launcher, nodes, nproc, args, None) for _ in range(args.repeat)]
         else:
-            from netns import netns_network, unavailable_reason
+            from hpct.testing.netns import netns_network, unavailable_reason
             why = unavailable_reason()
             if why:
                 runs = [{"launcher": x, "config": name, "error": why} for x in launchers]
@@ -525,7 +470,7 @@ def main(argv=None) -> int:
     if args.json:
         goal = GOAL if args.kill_after_first_step is None else EARLY_GOAL.format(s=args.kill_after_first_step)
         doc = {"schema": 1, "benchmark": "launch", "goal": goal, "kill_after_first_step": args.kill_after_first_step,
-               "machine": {"cpus": os.cpu_count(), "torch": _torch_version(), "date": time.strftime("%Y-%m-%d")},
+               "machine": {"cpus": os.cpu_count(), "torch": torch_version(), "date": time.strftime("%Y-%m-%d")},
                "kill_step": args.kill_step, "steps": args.steps, "step_time": args.step_time,
                "repeat": args.repeat, "configs": results}
         tmp = Path(args.json + ".tmp")

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
-from hpct.distributed.profile_comm import profile_comm
+from hpct.distributed.diagnostics.profile_comm import profile_comm
 
 rank, size, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 cfg = json.loads(sys.argv[4])

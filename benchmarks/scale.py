@@ -193,8 +193,7 @@ def loopback(n: int, lazy: bool) -> dict:
 
 
 def namespaces(nodes: int, per_node: int, lazy: bool) -> dict:
-    sys.path.insert(0, str(REPO / "tests"))
-    from netns import netns_network, unavailable_reason   # harness shared with the multihost tests
+    from hpct.testing.netns import netns_network, unavailable_reason   # the harness the multihost tests use too
     n = nodes * per_node
     why = unavailable_reason()
     if why:

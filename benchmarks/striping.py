@@ -3,7 +3,7 @@
     sudo python benchmarks/striping.py [--world 2] [--mib 16] [--ks 1,2,4,8] [--delay-ms 25]
                                        [--window-kib 256] [--loss 0]
 
-Each rank runs in its own network namespace behind the tests' userspace switch (tests/lossy.py),
+Each rank runs in its own network namespace behind the tests' userspace switch (hpct/testing/lossy.py),
 which adds ``--delay-ms`` one way.  Inside each namespace (never on the machine) the TCP buffers
 are capped at ``--window-kib``, as a long-haul path's window or a middlebox caps them: one
 connection then moves about one window per round trip whatever the bandwidth.  Throughput is
@@ -35,9 +35,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(REPO / "tests"))
-    from lossy import lossy_network
-    from netns import unavailable_reason
+    from hpct.testing.lossy import lossy_network
+    from hpct.testing.netns import unavailable_reason
     why = unavailable_reason()
     if why:
         print(f"benchmarks/striping.py: network namespaces are unavailable: {why}", file=sys.stderr)

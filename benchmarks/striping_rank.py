@@ -35,7 +35,7 @@ out["stock-gloo"] = rate(lambda: dist.all_reduce(x))
 dist.destroy_process_group()
 
 import hpct.distributed as hd  # noqa: E402
-from hpct.distributed.striping import StripedGroup  # noqa: E402
+from hpct.distributed.training.striping import StripedGroup  # noqa: E402
 
 hd.init_process_group(timeout=300.0)
 for k in ks:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
-import json
 import os
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import hpct.distributed as hd
+from _common import finish       # beside this script: the record written, the group left
 
 
 def build():
@@ -150,15 +150,7 @@ def main() -> int:
         time.sleep(args.step_time)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     record.update(digest=digest, world_size=dist.get_world_size(), start=t_start, end=time.time())
-    if args.out:
-        path = Path(args.out) / f"rank{rank}-pid{os.getpid()}.json"
-        path.with_suffix(".tmp").write_text(json.dumps(record))
-        path.with_suffix(".tmp").replace(path)
-    if args.backend == "hpct":
-        hd.shutdown_all()
-    else:
-        dist.destroy_process_group()
-    return 0
+    return finish(args.out, rank, record, args.backend)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import time
 from pathlib import Path
@@ -157,15 +156,10 @@ def main() -> int:
         time.sleep(args.step_time)
     record.update(digest=hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in full)).hexdigest(),
                   end=time.time())
-    if args.out:
-        path = Path(args.out) / f"rank{rank}-pid{os.getpid()}.json"
-        path.with_suffix(".tmp").write_text(json.dumps(record))
-        path.with_suffix(".tmp").replace(path)
-    if args.backend == "hpct":
-        hd.shutdown_all()
-    else:
-        dist.destroy_process_group()
-    return 0
+    # Beside this script (examples/_common.py), imported here so that build, shards and join load
+    # without it (tests/test_launch_recovery.py loads this file by its path to run join).
+    from _common import finish
+    return finish(args.out, rank, record, args.backend)
 
 
 if __name__ == "__main__":

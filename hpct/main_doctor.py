@@ -14,7 +14,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def execute(args: argparse.Namespace) -> int:
-    from .doctor import as_json, failures, render_table, run_checks
+    from .doctor import as_json, failures, render_table
+    from .doctor_run import run_checks
     rows = run_checks()
     if args.json:
         print_json(as_json(rows))

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import hpct.distributed as hd
-from hpct.distributed.diloco import DiLoCo
+from hpct.distributed.training.diloco import DiLoCo
 
 out, scenario = Path(sys.argv[1]), sys.argv[2]
 rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -1,5 +1,5 @@
 """A worker that `hpct run` forks from its fork server, whose first op runs on the NCCL engine over
-the simulated library and CUDA runtime (tests/nccl_sim; tests/test_nccl_sim_forked.py).
+the simulated library and CUDA runtime (hpct/testing/nccl_sim; tests/test_nccl_sim_forked.py).
 
     hpct run --nproc-per-node 2 tests/forked_engine_worker.py OUT
 
@@ -20,7 +20,7 @@ import torch
 inherited = {"bad_fork": torch.cuda._is_in_bad_fork(), "cuda_initialized": torch.cuda.is_initialized(),
              "backend_imported": "hpct.distributed" in sys.modules, "cuda_built": torch.backends.cuda.is_built()}
 
-import nccl_sim  # noqa: E402  (beside this script: become() puts its folder on sys.path)
+from hpct.testing import nccl_sim  # noqa: E402  (after the facts above: it imports hpct.distributed)
 
 nccl_sim.install()
 import torch.distributed as dist  # noqa: E402

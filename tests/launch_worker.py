@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from hpct.launch import wire
+from hpct import wire
 from hpct.ports import host_of
 
 out, mode = Path(sys.argv[1]), sys.argv[2]

@@ -9,7 +9,7 @@ import os
 import runpy
 import sys
 
-import nccl_sim
+from hpct.testing import nccl_sim
 
 if len(sys.argv) < 3 or sys.argv[1] != "-m":
     sys.exit("usage: python tests/nccl_sim_run.py -m MODULE [ARGS...]")

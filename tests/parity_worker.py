@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import hpct.distributed as hd
-from hpct.distributed.parity import digest, named_state
+from hpct.distributed.training.parity import digest, named_state
 
 out = sys.argv[1]
 rank = int(os.environ["RANK"])

@@ -1,4 +1,4 @@
-"""N ranks of the NCCL engine as threads of one process, over the simulated NCCL (tests/nccl_sim).
+"""N ranks of the NCCL engine as threads of one process, over the simulated NCCL (hpct/testing/nccl_sim).
 
 Each rank has its own engine and communicator; the data moves between them over loopback
 exactly as between processes.  ``Ranks.run(fn)`` runs ``fn(rank, engine)`` on every rank at
@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-import nccl_sim
+from hpct.testing import nccl_sim
 from hpct.distributed.nccl.engine import NcclEngine
 from hpct.ports import free_port_block
-from nccl_sim.library import SimNccl
-from nccl_sim.runtime import SimRuntime
+from hpct.testing.nccl_sim.library import SimNccl
+from hpct.testing.nccl_sim.runtime import SimRuntime
 
 
 class Ranks:

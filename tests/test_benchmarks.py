@@ -62,7 +62,7 @@ def test_diloco_moves_about_h_times_fewer_bytes_than_stock_ddp(tmp_path):
     # Four namespaces behind the userspace switch (no delay here: only the byte counts are
     # checked, and they do not depend on it).  H = 10: fp32 DiLoCo puts about 1/10 of DDP's
     # bytes on the wire per step, int8 about a quarter of that again.
-    from netns import unavailable_reason
+    from hpct.testing.netns import unavailable_reason
     why = unavailable_reason()
     if why:
         pytest.skip(why)
@@ -140,7 +140,7 @@ def test_launch_refuses_a_kill_that_lands_after_the_jobs_last_step():
 
 @pytest.mark.slow
 def test_launch_node_loss_shrinks_the_survivors_in_place_or_a_spare_takes_the_slot(tmp_path):
-    from netns import unavailable_reason
+    from hpct.testing.netns import unavailable_reason
     if (why := unavailable_reason()) is not None:
         pytest.skip(why)
     out = tmp_path / "launch.json"

@@ -1,7 +1,7 @@
 """Churn while ops are in flight (issue 18, item 3): a bounded, seeded, randomized stress.
 
 8 ranks, 2 per network namespace on 4 namespaces, behind the userspace lossy switch
-(tests/lossy.py: loss and delay on every link).  The test is the cluster agent: it keeps the
+(hpct/testing/lossy.py: loss and delay on every link).  The test is the cluster agent: it keeps the
 ranks training a tiny deterministic model (one all_reduce per step) and, while steps are in
 flight, injects random events: SIGKILL a rank (then replace it at the next generation with
 hd.recover, or shrink), SIGSTOP a rank (then SIGKILL it, or SIGCONT it), a graceful leave
@@ -33,8 +33,8 @@ import pytest
 
 from churn_cluster import ANSWER_S, Cluster
 from gloo_helpers import free_block
-from lossy import lossy_network
-from netns import unavailable_reason
+from hpct.testing.lossy import lossy_network
+from hpct.testing.netns import unavailable_reason
 
 # serial: the profile measured it filling both cores or timing itself (ci/test.sh)
 pytestmark = [pytest.mark.multihost, pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.serial]

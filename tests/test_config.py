@@ -233,14 +233,17 @@ def test_log_allreduce_is_the_group_size_from_which_float_sums_take_log_depth():
 
 
 def test_plan_places_place_the_first_world_only_and_must_match_its_size():
-    from hpct.distributed import world
+    from hpct.distributed.membership.world_state import WorldState
+    world = WorldState()
     cfg = Config.from_mapping({"HPCT_PLAN_PLACES": "0,2"})
     assert cfg.plan_places == (0, 2)
-    assert world._start_places(cfg, 2) == [0, 2]
+    assert world.start_places(cfg, 2) == [0, 2]
     with pytest.raises(ConfigError) as info:
-        world._start_places(cfg, 3)
+        world.start_places(cfg, 3)
     assert info.value.problem == "HPCT_PLAN_PLACES lists 2 places, but WORLD_SIZE is 3"
-    assert world._start_places(Config.from_mapping({}), 3) is None
+    assert world.start_places(Config.from_mapping({}), 3) is None
+    world.world_formed(0, 0.1, rank=0, world_size=2, timeout=None)
+    assert world.start_places(cfg, 2) is None, "a later world takes its places from recover()"
 
 
 def test_processes_per_node_follow_the_world_on_the_default_single_host():

@@ -21,7 +21,7 @@ from hpct.config import Config
 from hpct.ports import free_port_block
 from hpct.diagnose import audit, diagnosis, links, schedule, verdict
 from hpct.diagnose.report import table as report_table
-from netns import limited_link, netns_network, unavailable_reason
+from hpct.testing.netns import limited_link, netns_network, unavailable_reason
 
 # serial: the profile measured it filling both cores or timing itself (ci/test.sh)
 pytestmark = pytest.mark.serial

@@ -1,4 +1,4 @@
-"""DiLoCo (hpct.distributed.diloco, issue 18 item 5): outer syncs keep every member's global
+"""DiLoCo (hpct.distributed.training.diloco, issue 18 item 5): outer syncs keep every member's global
 parameters bit-identical, average what they must, and move what the options say."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_streaming_fragments_with_overlap_and_int8(tmp_path):
 ])
 def test_bad_options_are_named(kwargs, needle, monkeypatch):
     import torch.distributed as dist
-    from hpct.distributed.diloco import DiLoCo
+    from hpct.distributed.training.diloco import DiLoCo
     from hpct.errors import HpctArgumentError
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)

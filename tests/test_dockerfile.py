@@ -96,7 +96,7 @@ def test_runs_as_a_non_root_user_created_in_the_runtime_stage(dockerfile):
 
 
 def test_doctor_runs_at_build_time_and_skips_only_real_node_rows(dockerfile):
-    from hpct.doctor import run_checks
+    from hpct.doctor_run import run_checks
     _, stages = _stages(dockerfile)
     runtime = stages[-1]
     words = [word for word, _ in runtime]

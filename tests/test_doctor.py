@@ -21,9 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from hpct import doctor
+from hpct import doctor, doctor_nccl, doctor_run
 from hpct.cli import main
-from hpct.doctor import Probe, Row, check_nccl, find_libnccl, run_checks
+from hpct.doctor import Probe, Row
+from hpct.doctor_nccl import check_nccl, find_libnccl
+from hpct.doctor_run import run_checks
 from hpct.ports import busy_ports
 from util import REPO, run_cli
 
@@ -461,8 +463,8 @@ def test_nccl_that_does_not_load_or_errors(good, tmp_path):
 
 @pytest.mark.unit
 def test_nccl_version_text():
-    assert doctor.nccl_version_text(22105) == "2.21.5"
-    assert doctor.nccl_version_text(2804) == "2.8.4"
+    assert doctor_nccl.nccl_version_text(22105) == "2.21.5"
+    assert doctor_nccl.nccl_version_text(2804) == "2.8.4"
 
 
 # ---------------------------------------------------------------- output and the CLI
@@ -471,7 +473,7 @@ def test_nccl_version_text():
 def test_table_and_exit_code(monkeypatch, capsys):
     rows = [Row("python", "ok", "3.11"), Row("hpct extension", "fail", "missing", "run hpct-build wheel"),
             Row("libnccl", "warn", "stock", "build it")]
-    monkeypatch.setattr(doctor, "run_checks", lambda: rows)
+    monkeypatch.setattr(doctor_run, "run_checks", lambda: rows)
     assert main(["doctor"]) == 10
     out, err = capsys.readouterr()
     assert out.splitlines() == ["STATUS  CHECK           DETAIL",
@@ -487,7 +489,7 @@ def test_table_and_exit_code(monkeypatch, capsys):
     assert doc["schema_version"] == 1 and doc["ok"] is False
     assert doc["checks"][1] == {"check": "hpct extension", "status": "fail", "detail": "missing",
                                 "fix": "run hpct-build wheel"}
-    monkeypatch.setattr(doctor, "run_checks", lambda: rows[:1])
+    monkeypatch.setattr(doctor_run, "run_checks", lambda: rows[:1])
     assert main(["doctor"]) == 0
 
 
@@ -514,7 +516,7 @@ def test_live_extension_row_when_built():
 
 @pytest.mark.multihost
 def test_kernel_row_against_a_real_namespace():
-    from netns import netns, unavailable_reason
+    from hpct.testing.netns import netns, unavailable_reason
     if unavailable_reason():
         pytest.skip(unavailable_reason())
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("HPCT_")}, "HPCT_PORT_BASE": "40000"}
@@ -555,22 +557,22 @@ def test_nccl_wheel_rows(tmp_path):
     record = {"series_id": "abc", "patches": ["0001-x.patch"], "cuda": "12.4", "cuda_archs": ["80", "90"],
               "funcs": None}
     hpct = _nccl_site(tmp_path / "hpct", "2.21.5+hpct.abc", record)
-    assert doctor.check_nccl_wheel(Probe(sys_path=[str(tmp_path / "none"), str(hpct)])) == [Row(
+    assert doctor_nccl.check_nccl_wheel(Probe(sys_path=[str(tmp_path / "none"), str(hpct)])) == [Row(
         "nccl wheel", "ok", f"nvidia-nccl-cu12 2.21.5+hpct.abc in {hpct}: hpct series abc, 1 patches "
                             "(0001-x.patch), CUDA 12.4, sm 80,90, collectives all")]
     stock = _nccl_site(tmp_path / "stock", "2.21.5", None)
     # The first site-packages on the path that holds a libnccl is the one reported.
-    assert doctor.check_nccl_wheel(Probe(sys_path=[str(stock), str(hpct)])) == [Row(
+    assert doctor_nccl.check_nccl_wheel(Probe(sys_path=[str(stock), str(hpct)])) == [Row(
         "nccl wheel", "info", f"nvidia-nccl-cu12 2.21.5 in {stock}: NVIDIA's build, no hpct series")]
     other = _nccl_site(tmp_path / "other", "2.21.5+hpct.def", record)
-    row, = doctor.check_nccl_wheel(Probe(sys_path=[str(other)]))
+    row, = doctor_nccl.check_nccl_wheel(Probe(sys_path=[str(other)]))
     assert row.status == "warn" and row.detail.endswith("; the version label does not name that series")
     assert row.fix.startswith("reinstall it: hpct-build wheel nccl")
     broken = _nccl_site(tmp_path / "broken", "2.21.5+hpct.abc", "{not json")
-    row, = doctor.check_nccl_wheel(Probe(sys_path=[str(broken)]))
+    row, = doctor_nccl.check_nccl_wheel(Probe(sys_path=[str(broken)]))
     assert (row.status, row.detail) == ("warn", f"nvidia-nccl-cu12 2.21.5+hpct.abc in {broken}: its series "
                                                 "record hpct-series.json is unreadable (JSONDecodeError)")
-    assert doctor.check_nccl_wheel(Probe(sys_path=[str(tmp_path / "none")])) == []
+    assert doctor_nccl.check_nccl_wheel(Probe(sys_path=[str(tmp_path / "none")])) == []
 
 
 @pytest.mark.unit
@@ -598,7 +600,7 @@ def test_a_libnccl_that_cannot_load_is_read_from_its_symbol_table(good, tmp_path
 def test_nccl_for_hpct_uses_torchs_patched_library(good, rootless_nccl):
     """A patched libnccl from before ncclCommRaiseAbortFlag: hpct uses it, with non-blocking
     communicators (a held blocking call could not be ended by NCCL's rules), and says so."""
-    row = doctor.check_nccl_for_hpct(good, fake_torch())
+    row = doctor_nccl.check_nccl_for_hpct(good, fake_torch())
     assert row.status == "ok", row
     assert row.detail == (f"torch: {rootless_nccl} (NCCL 2.21.5, patched); hpct: {rootless_nccl} "
                           "(NCCL 2.21.5, patched) via the one torch loads; CUDA groups use non-blocking "
@@ -617,10 +619,10 @@ def test_nccl_for_hpct_says_which_communicators_the_library_gives(good, tmp_path
     lib = _c_library(tmp_path, "libnccl_flag", "int ncclGetVersion(int *v) { *v = 23007; return 0; }\n"
                                                 "int ncclCommInitRankRootless(void) { return 0; }\n"
                                                 "int ncclCommRaiseAbortFlag(void *c) { return 0; }\n")
-    row = doctor.check_nccl_for_hpct(with_(good, nccl_paths=[lib]), fake_torch())
+    row = doctor_nccl.check_nccl_for_hpct(with_(good, nccl_paths=[lib]), fake_torch())
     assert row.detail.endswith("; CUDA groups use blocking communicators (held calls are woken by "
                                "ncclCommRaiseAbortFlag before ncclCommAbort)"), row.detail
-    off = doctor.check_nccl_for_hpct(with_(good, nccl_paths=[lib], env={**good.env, "HPCT_NCCL_BLOCKING": "0"}),
+    off = doctor_nccl.check_nccl_for_hpct(with_(good, nccl_paths=[lib], env={**good.env, "HPCT_NCCL_BLOCKING": "0"}),
                                      fake_torch())
     assert off.detail.endswith("; CUDA groups use non-blocking communicators (HPCT_NCCL_BLOCKING=0)"), off.detail
 
@@ -630,7 +632,7 @@ def test_nccl_for_hpct_stock_torch_library_falls_back_to_the_variable(good, real
     # torch loads NVIDIA's build; HPCT_NCCL_LIBRARY names hpct's, with its series record beside it
     (Path(rootless_nccl).parent / "hpct-series.json").write_text(json.dumps({"series_id": "n7"}))
     probe = with_(good, nccl_paths=[real_nccl], env={**good.env, "HPCT_NCCL_LIBRARY": rootless_nccl})
-    row = doctor.check_nccl_for_hpct(probe, fake_torch())
+    row = doctor_nccl.check_nccl_for_hpct(probe, fake_torch())
     assert row.status == "ok"
     assert row.detail.startswith(f"torch: {real_nccl} (NCCL 2.21.5, stock); hpct: {rootless_nccl} "
                                  "(NCCL 2.21.5, hpct series n7) via HPCT_NCCL_LIBRARY; CUDA groups use ")
@@ -640,13 +642,13 @@ def test_nccl_for_hpct_stock_torch_library_falls_back_to_the_variable(good, real
 @pytest.mark.unit
 def test_nccl_for_hpct_stock_only_warns_with_the_fix(good, real_nccl):
     probe = with_(good, nccl_paths=[real_nccl])
-    row = doctor.check_nccl_for_hpct(probe, fake_torch())
+    row = doctor_nccl.check_nccl_for_hpct(probe, fake_torch())
     assert row.status == "warn"
     assert row.detail.endswith("(no ncclCommInitRankRootless: hpct's CUDA groups cannot start)")
     # the advice follows the installed torch: 2.6 pins 2.21.5, which has an hpct drop-in
     assert row.fix.startswith("torch 2.6.0+hpct.s1 pins NCCL 2.21.5: install hpct's drop-in wheel of it")
     assert "hpct-build wheel nccl=2.21.5" in row.fix
-    assert doctor.check_nccl_for_hpct(probe, fake_torch(cuda=None)).status == "info"
+    assert doctor_nccl.check_nccl_for_hpct(probe, fake_torch(cuda=None)).status == "info"
 
 
 @pytest.mark.unit
@@ -659,7 +661,7 @@ def test_nccl_for_hpct_stock_only_warns_with_the_fix(good, real_nccl):
 ])
 def test_nccl_advice_follows_the_cuda_torch(good, real_nccl, version, want):
     probe = with_(good, nccl_paths=[real_nccl])          # NVIDIA's stock libnccl: no rootless call
-    row = doctor.check_nccl_for_hpct(probe, fake_torch(version=version, cuda="13.0"))
+    row = doctor_nccl.check_nccl_for_hpct(probe, fake_torch(version=version, cuda="13.0"))
     assert row.status == "warn" and row.fix.startswith(want), row.fix
 
 
@@ -667,7 +669,7 @@ def test_nccl_advice_follows_the_cuda_torch(good, real_nccl, version, want):
 def test_nccl_for_hpct_bad_variable_fails_on_cuda(good, real_nccl, tmp_path):
     missing = str(tmp_path / "no" / "libnccl.so.2")
     probe = with_(good, nccl_paths=[real_nccl], env={**good.env, "HPCT_NCCL_LIBRARY": missing})
-    row = doctor.check_nccl_for_hpct(probe, fake_torch())
+    row = doctor_nccl.check_nccl_for_hpct(probe, fake_torch())
     assert row.status == "fail" and f"hpct: {missing}: " in row.detail
     assert row.fix == "point HPCT_NCCL_LIBRARY at a working libnccl.so.2"
 
@@ -686,11 +688,11 @@ def test_nccl_wheel_row_for_torch_2_14_1s_cu13_wheel(tmp_path):
     record = {"series_id": "n13", "patches": ["0001-init.patch", "0002-bootstrap.patch"], "cuda": "13.0",
               "cuda_archs": ["90"], "funcs": None}
     hpct = _nccl_site(tmp_path / "hpct", "2.30.7+hpct.n13", record, cuda="cu13")
-    assert doctor.check_nccl_wheel(Probe(sys_path=[str(hpct)])) == [Row(
+    assert doctor_nccl.check_nccl_wheel(Probe(sys_path=[str(hpct)])) == [Row(
         "nccl wheel", "ok", f"nvidia-nccl-cu13 2.30.7+hpct.n13 in {hpct}: hpct series n13, 2 patches "
                             "(0001-init.patch, 0002-bootstrap.patch), CUDA 13.0, sm 90, collectives all")]
     stock = _nccl_site(tmp_path / "stock", "2.30.7", None, cuda="cu13")
-    assert doctor.check_nccl_wheel(Probe(sys_path=[str(stock)])) == [Row(
+    assert doctor_nccl.check_nccl_wheel(Probe(sys_path=[str(stock)])) == [Row(
         "nccl wheel", "info", f"nvidia-nccl-cu13 2.30.7 in {stock}: NVIDIA's build, no hpct series")]
 
 
@@ -701,7 +703,7 @@ def test_every_libnccl_row_follows_the_installed_torch(good, real_nccl):
     the 2.30.7 drop-in: both rows now give the same advice, the one for the installed torch."""
     torch = fake_torch(version="2.15.0+cu130", cuda="13.0")
     stock = check_nccl(with_(good, nccl_paths=[real_nccl]), torch, None)
-    hpct_row = doctor.check_nccl_for_hpct(with_(good, nccl_paths=[real_nccl]), torch)
+    hpct_row = doctor_nccl.check_nccl_for_hpct(with_(good, nccl_paths=[real_nccl]), torch)
     assert stock.fix == hpct_row.fix and "torch 2.15.0+cu130 pins NCCL 2.30.7" in stock.fix
     assert "2.21.5" not in stock.fix and "cu12" not in stock.fix
     missing = check_nccl(with_(good, nccl_paths=[]), torch, None)

@@ -1,6 +1,6 @@
 """Storeless Gloo over a lossy, slow link (issue 13, item 2).
 
-The link is tests/lossy.py: host namespaces joined by a userspace switch that drops
+The link is hpct/testing/lossy.py: host namespaces joined by a userspace switch that drops
 and delays frames (this kernel has no ``netem``).
 
 A connection whose initiator has sent its handshake can lose its listener (the
@@ -26,8 +26,8 @@ import time
 import pytest
 
 from gloo_helpers import WORKER, Worker, free_block, kill_all
-from lossy import lossy_network
-from netns import unavailable_reason
+from hpct.testing.lossy import lossy_network
+from hpct.testing.netns import unavailable_reason
 
 pytestmark = [pytest.mark.multihost, pytest.mark.multiprocess]
 

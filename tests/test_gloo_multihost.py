@@ -17,7 +17,7 @@ import time
 import pytest
 
 from gloo_helpers import WORKER, Worker, free_block, kill_all, wait_all_succeeded
-from netns import netns_network, unavailable_reason
+from hpct.testing.netns import netns_network, unavailable_reason
 
 pytestmark = [pytest.mark.multihost, pytest.mark.multiprocess]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from netns import unavailable_reason
+from hpct.testing.netns import unavailable_reason
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from hpct.errors import LaunchError
-from hpct.launch.workers import STOPPED_NO_SHOW_S
+from hpct.launch.health import STOPPED_NO_SHOW_S
 from hpct.ports import free_port_block
-from launch_cluster import Agents
+from hpct.testing.cluster import Agents
 from util import run_cli
 
 pytestmark = pytest.mark.multiprocess

@@ -14,10 +14,10 @@ import time
 import pytest
 
 from hpct.launch.forkserver import ForkServer
-from hpct.launch.workers import Pool
+from hpct.launch.pool import Pool
 from hpct.ports import free_port_block
-from launch_cluster import Agents
-from test_launch_recovery import EXAMPLE, LIMIT_S, LONG_STEPS, check_replaced, stock_digest, wait_progress
+from hpct.testing.cluster import Agents
+from launch_jobs import EXAMPLE, LIMIT_S, LONG_STEPS, check_replaced, stock_digest, wait_progress
 
 pytestmark = pytest.mark.multiprocess
 
@@ -155,14 +155,12 @@ def test_hpct_run_forks_its_workers_and_a_killed_one_is_replaced_bit_identically
     assert not agents.events(0, "standby"), "a standby started beside a live fork server"
 
 
-def test_an_order_the_server_does_not_answer_is_given_up_and_its_late_fork_killed(tmp_path, monkeypatch):
-    """A server that does not answer (stopped here) costs an order FORK_TIMEOUT_S: the agent then
-    starts the worker cold, so the fork that comes once the server runs again is killed at once:
-    never two processes of one rank."""
-    from hpct.launch import forkserver
-    from hpct.launch.workers import Pool
-    monkeypatch.setattr(forkserver, "FORK_TIMEOUT_S", 1.0)
-    fs = ForkServer(tmp_path / "server.log", dict(os.environ))
+def test_an_order_the_server_does_not_answer_is_given_up_and_its_late_fork_killed(tmp_path):
+    """A server that does not answer (stopped here) costs an order the server's fork timeout: the
+    agent then starts the worker cold, so the fork that comes once the server runs again is killed
+    at once: never two processes of one rank."""
+    from hpct.launch.pool import Pool
+    fs = ForkServer(tmp_path / "server.log", dict(os.environ), fork_timeout_s=1.0)
     script = tmp_path / "w.py"
     script.write_text(SCRIPT)
     try:

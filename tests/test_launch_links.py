@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from hpct.launch import wire
-
+from hpct import wire
 from hpct.launch.links import MIN_SAMPLES, SLOW_HOLD_S, WINDOW, LinkTimes, parse, slow_nodes
-from test_launch_membership import Agent
+
+from agent_parts import Agent
 
 pytestmark = pytest.mark.unit
 
@@ -28,10 +28,10 @@ def reports(slow: int, members: list[int], idle: tuple[int, ...] = (), fast: flo
 
 def feed(agent: Agent, rows: dict[int, dict[int, float]]) -> None:
     now = time.monotonic()
-    agent.heard_links = {n: (now, dict(row)) for n, row in rows.items() if n != agent.node}
-    for peer, ms in rows.get(agent.node, {}).items():
+    agent.view.heard_links = {n: (now, dict(row)) for n, row in rows.items() if n != agent.view.node}
+    for peer, ms in rows.get(agent.view.node, {}).items():
         for _ in range(MIN_SAMPLES):
-            agent.link_times.record(peer, ms / 1e3)
+            agent.view.link_times.record(peer, ms / 1e3)
 
 
 def test_the_node_behind_a_slow_port_stands_out_and_no_other():
@@ -90,19 +90,19 @@ def test_reports_come_over_the_wire_with_string_keys_and_junk_is_dropped():
     assert parse({"1": 2.5, "x": 1, "2": "fast", "3": -1, "4": None}) == {1: 2.5}
     assert parse(["1", 2]) == {} and parse(None) == {}
     a = Agent(0)
-    reply = a.handle({"op": "ping", "generation": 0, "nodes": [0, 1, 2], "node": 1, "links": {"0": 90.0}})
-    assert a.heard_links[1][1] == {0: 90.0} and reply["links"] == {} and reply["nodes"] == [0, 1, 2]
-    assert a._ping()["links"] == {}, "no peer asked often enough yet"
+    reply = a.talk.handle({"op": "ping", "generation": 0, "nodes": [0, 1, 2], "node": 1, "links": {"0": 90.0}})
+    assert a.view.heard_links[1][1] == {0: 90.0} and reply["links"] == {} and reply["nodes"] == [0, 1, 2]
+    assert a.view.ping()["links"] == {}, "no peer asked often enough yet"
 
 
 def test_the_lowest_member_gives_a_slow_members_slot_to_the_spare_after_the_hold():
     lead = Agent(0)                          # nodes [0, 1, 2], spare 3
     feed(lead, reports(1, [0, 1, 2], idle=(3,)))
-    lead._give_slow_slot(lead._judge_links())
-    assert (lead.generation, lead.nodes) == (0, [0, 1, 2]), f"not before it stood out for {SLOW_HOLD_S} s"
-    lead.slow[1] -= SLOW_HOLD_S
-    lead._give_slow_slot(lead._judge_links())
-    assert (lead.generation, lead.nodes) == (1, [0, 3, 2]) and lead.end is None
+    lead.view.give_slow_slot(lead.view.judge_links())
+    assert (lead.view.generation, lead.view.nodes) == (0, [0, 1, 2]), f"not before it stood out for {SLOW_HOLD_S} s"
+    lead.view.slow[1] -= SLOW_HOLD_S
+    lead.view.give_slow_slot(lead.view.judge_links())
+    assert (lead.view.generation, lead.view.nodes) == (1, [0, 3, 2]) and lead.view.end is None
     assert lead.world() == [0, 1, 6, 7, 4, 5], "ranks 2-3 now live at the spare's places"
     assert lead.moves == [(1, False)], "the members' world breaks: they re-form with the spare"
     (event,) = [f for e, f in lead.events.seen if e == "slow-node"]
@@ -110,26 +110,26 @@ def test_the_lowest_member_gives_a_slow_members_slot_to_the_spare_after_the_hold
                                 "(--slow-link-ms 10); node 3 takes its slot")
     assert (event["node"], event["spare"], event["link_ms"], event["others_ms"]) == (1, 3, SLOW, FAST)
     slowpoke = Agent(1)
-    slowpoke._merge(lead.generation, lead.nodes, sender=0)
-    assert slowpoke.node not in slowpoke.nodes and slowpoke.end is None, "it follows, idle, and may come back"
+    slowpoke.view.merge(lead.view.generation, lead.view.nodes, sender=0)
+    assert slowpoke.view.node not in slowpoke.view.nodes and slowpoke.view.end is None, "it follows, idle, and may come back"
 
 
 def test_a_slow_member_keeps_its_slot_unless_a_healthy_idle_node_and_the_lowest_member_take_it():
     other = Agent(2)
     feed(other, reports(1, [0, 1, 2], idle=(3,)))
-    other._judge_links()
-    other.slow[1] -= SLOW_HOLD_S
-    other._give_slow_slot(other._judge_links())
-    assert other.nodes == [0, 1, 2], "only the view's lowest node moves it"
+    other.view.judge_links()
+    other.view.slow[1] -= SLOW_HOLD_S
+    other.view.give_slow_slot(other.view.judge_links())
+    assert other.view.nodes == [0, 1, 2], "only the view's lowest node moves it"
     lead = Agent(0)
-    lead.seen[3] = time.monotonic() - 60    # the spare is silent: nobody to give the slot to
+    lead.view.seen[3] = time.monotonic() - 60    # the spare is silent: nobody to give the slot to
     feed(lead, reports(1, [0, 1, 2], idle=(3,)))
-    lead._judge_links()
-    lead.slow[1] -= SLOW_HOLD_S
-    lead._give_slow_slot(lead._judge_links())
-    assert lead.nodes == [0, 1, 2], "without a spare the slow link is ridden through"
+    lead.view.judge_links()
+    lead.view.slow[1] -= SLOW_HOLD_S
+    lead.view.give_slow_slot(lead.view.judge_links())
+    assert lead.view.nodes == [0, 1, 2], "without a spare the slow link is ridden through"
     feed(lead, reports(1, [0, 1, 2], fast=2.0, slow_ms=2.0))
-    assert lead._judge_links() == {} and lead.slow == {}, "a link that healed starts the hold again"
+    assert lead.view.judge_links() == {} and lead.view.slow == {}, "a link that healed starts the hold again"
 
 
 def test_when_the_lowest_member_is_slow_the_next_one_gives_its_slot():
@@ -140,21 +140,21 @@ def test_when_the_lowest_member_is_slow_the_next_one_gives_its_slot():
     slowpoke, lead = Agent(0), Agent(1)         # nodes [0, 1, 2], spare 3; node 0's port is slow
     for agent in (slowpoke, lead):
         feed(agent, reports(0, [0, 1, 2], idle=(3,)))
-        agent._judge_links()
-        agent.slow[0] -= SLOW_HOLD_S
-        agent._give_slow_slot(agent._judge_links())
-    assert (slowpoke.generation, slowpoke.nodes) == (0, [0, 1, 2]), "the slow node does not move the view"
-    assert (lead.generation, lead.nodes) == (1, [3, 1, 2]) and lead.end is None
-    slowpoke._merge(lead.generation, lead.nodes, sender=1)
-    assert slowpoke.node not in slowpoke.nodes and slowpoke.generation == 1, "it hears the view and follows"
+        agent.view.judge_links()
+        agent.view.slow[0] -= SLOW_HOLD_S
+        agent.view.give_slow_slot(agent.view.judge_links())
+    assert (slowpoke.view.generation, slowpoke.view.nodes) == (0, [0, 1, 2]), "the slow node does not move the view"
+    assert (lead.view.generation, lead.view.nodes) == (1, [3, 1, 2]) and lead.view.end is None
+    slowpoke.view.merge(lead.view.generation, lead.view.nodes, sender=1)
+    assert slowpoke.view.node not in slowpoke.view.nodes and slowpoke.view.generation == 1, "it hears the view and follows"
 
 
 def test_a_spare_behind_a_slow_port_is_not_taken_in():
     lead = Agent(0)
     feed(lead, reports(3, [0, 1, 2], idle=(3,)))
-    assert list(lead._judge_links()) == [3] and lead._idle() == []
-    lead._drop([2], [])
-    assert lead.nodes == [0, 1], "a lost node's slot is not given to a node whose links are slow: a shrink"
+    assert list(lead.view.judge_links()) == [3] and lead.view.idle() == []
+    lead.view.drop([2], [])
+    assert lead.view.nodes == [0, 1], "a lost node's slot is not given to a node whose links are slow: a shrink"
 
 
 def test_a_job_of_two_nodes_gives_a_slow_nodes_slot_to_the_spare_and_goes_on():
@@ -164,15 +164,15 @@ def test_a_job_of_two_nodes_gives_a_slow_nodes_slot_to_the_spare_and_goes_on():
     view's 2 nodes remain here, no majority"), found by a node slow from the job's start."""
     lead, spare, slowpoke = Agent(1, nnodes=2), Agent(2, nnodes=2), Agent(0, nnodes=2)
     feed(lead, reports(0, [0, 1], idle=(2,)))
-    lead._judge_links()
-    lead.slow[0] -= SLOW_HOLD_S
-    lead._give_slow_slot(lead._judge_links())
-    assert (lead.generation, lead.nodes) == (1, [2, 1]) and lead.end is None, lead.end and lead.end.message
+    lead.view.judge_links()
+    lead.view.slow[0] -= SLOW_HOLD_S
+    lead.view.give_slow_slot(lead.view.judge_links())
+    assert (lead.view.generation, lead.view.nodes) == (1, [2, 1]) and lead.view.end is None, lead.view.end and lead.view.end.message
     for agent in (spare, slowpoke):
-        agent._merge(lead.generation, lead.nodes, sender=1)
-    assert (spare.generation, spare.nodes) == (1, [2, 1]) and spare.end is None, "the spare takes the slot"
-    assert slowpoke.nodes == [2, 1] and slowpoke.end is None, "the slow node follows, idle"
+        agent.view.merge(lead.view.generation, lead.view.nodes, sender=1)
+    assert (spare.view.generation, spare.view.nodes) == (1, [2, 1]) and spare.view.end is None, "the spare takes the slot"
+    assert slowpoke.view.nodes == [2, 1] and slowpoke.view.end is None, "the slow node follows, idle"
     lost = Agent(1, nnodes=2)
-    lost._drop([0], [])
-    assert lost.nodes == [2, 1] and "1 of the last view's 2 nodes remain here" in lost.end.message, \
+    lost.view.drop([0], [])
+    assert lost.view.nodes == [2, 1] and "1 of the last view's 2 nodes remain here" in lost.view.end.message, \
         "a silent node is still no majority's: the side that cannot hear it stops"

@@ -2,8 +2,8 @@
 majority counts only the last view's survivors, equal-generation conflicts resolve the same way
 on both sides, a dropped node comes back only after it is heard again, idle agents follow, and a
 worker that never comes to re-form after a move that broke its world is taken for hung.
-Two or three agents here are plain objects whose pushes are delivered by hand (the wire and
-the timing are tests/test_launch_recovery.py's)."""
+Two or three agents here are an agent's real parts (tests/agent_parts.py) whose pushes are
+delivered by hand (the wire and the timing are tests/test_launch_recovery.py's)."""
 
 from __future__ import annotations
 
@@ -18,58 +18,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from hpct.launch import membership, wire
-from hpct.launch.links import LinkTimes
-from hpct.launch.membership import Membership
-from hpct.launch.workers import (STANDBY_DEFER_S, STOPPED_NO_SHOW_S, is_stopped, no_shows, note_stopped, standbys_due,
-                                 stopped_past)
+from hpct import wire
+from hpct.launch import membership
+from hpct.launch.health import STOPPED_NO_SHOW_S, no_shows, note_stopped, stopped_past
+from hpct.launch.pool import STANDBY_DEFER_S, standbys_due
+from hpct.launch.procs import is_stopped
+
+from agent_parts import Agent
 
 pytestmark = pytest.mark.unit
 
 
-class Recorder:
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, dict]] = []
-
-    def emit(self, event: str, text: str, **fields) -> None:
-        self.seen.append((event, {"message": text, **fields}))
-
-
-class Agent(Membership):
-    """A Membership with the fields NodeAgent gives it; pushes are recorded, not sent."""
-
-    def __init__(self, node: int, nnodes: int = 3, spares: int = 1) -> None:
-        self.opts = SimpleNamespace(nnodes=nnodes, spare_nodes=spares, all_nodes=nnodes + spares, node_grace=5.0,
-                                    slow_link_ms=10.0, nproc_per_node=2, run_id="t", hosts=[f"h{n}" for n in range(nnodes + spares)])
-        self.node, self.cond, self.events = node, threading.Condition(), Recorder()
-        self.generation, self.nodes = 0, list(range(nnodes))
-        self.finished, self.leaving, self.gone, self.hellos, self.workers = set(), {}, {}, set(), {}
-        self.failing, self.refused, self.heard_links, self.slow = {}, {}, {}, {}
-        self.link_times = LinkTimes()
-        self.seen = {n: time.monotonic() for n in range(nnodes + spares)}
-        self.end = self.signalled = None
-        self.pushed: list[dict] = []
-        self.moves: list[tuple[int, bool]] = []     # (generation, grow) per view move
-        self.addrs, self.port = self.opts.hosts, 1
-
-    def _tell_peers(self, message, to=None, tries=1) -> None:
-        self.pushed.append(message)
-
-    def _view_moved(self, generation: int, grow: bool) -> None:
-        self.moves.append((generation, grow))
-
-    def world(self) -> list[int]:
-        return self._world()[0]
-
-    def _world(self):
-        p = self.opts.nproc_per_node
-        return [n * p + local for n in self.nodes for local in range(p)], self.generation
-
-
 def test_the_lowest_idle_spare_takes_a_lost_nodes_slot_and_its_ranks():
     a = Agent(0, spares=2)
-    a._drop([1], [])
-    assert (a.generation, a.nodes) == (1, [0, 3, 2]) and a.end is None
+    a.view.drop([1], [])
+    assert (a.view.generation, a.view.nodes) == (1, [0, 3, 2]) and a.view.end is None
     assert a.world() == [0, 1, 6, 7, 4, 5], "ranks 2-3 now live at node 3's places"
     lost = [f for e, f in a.events.seen if e == "node-lost"][0]
     assert lost["message"] == "node 1 silent for 5 s; node 3 takes its slot"
@@ -77,124 +40,124 @@ def test_the_lowest_idle_spare_takes_a_lost_nodes_slot_and_its_ranks():
 
 def test_without_an_idle_node_the_view_shrinks_and_a_silent_spare_is_not_idle():
     a = Agent(0)
-    a.seen[3] = time.monotonic() - 60          # the spare stopped pinging
-    a._drop([2], [])
-    assert a.nodes == [0, 1] and a.world() == [0, 1, 2, 3]
+    a.view.seen[3] = time.monotonic() - 60          # the spare stopped pinging
+    a.view.drop([2], [])
+    assert a.view.nodes == [0, 1] and a.world() == [0, 1, 2, 3]
 
 
 def test_a_spare_does_not_make_a_majority():
     a = Agent(0, spares=2)
-    a._drop([1, 2], [])
-    assert a.nodes == [0, 3, 4], "the spares filled the slots"
-    assert a.end is not None and "1 of the last view's 3 nodes remain here, no majority" in a.end.message
+    a.view.drop([1, 2], [])
+    assert a.view.nodes == [0, 3, 4], "the spares filled the slots"
+    assert a.view.end is not None and "1 of the last view's 3 nodes remain here, no majority" in a.view.end.message
 
 
 def test_equal_generations_with_different_nodes_resolve_alike_on_both_sides():
     a, b = Agent(0, nnodes=4, spares=1), Agent(3, nnodes=4, spares=1)
-    a._drop([2], [])                           # a: [0, 1, 4, 3]
-    b._drop([1], [])                           # b: [0, 4, 2, 3]
-    va, vb = (a.generation, list(a.nodes)), (b.generation, list(b.nodes))
+    a.view.drop([2], [])                           # a: [0, 1, 4, 3]
+    b.view.drop([1], [])                           # b: [0, 4, 2, 3]
+    va, vb = (a.view.generation, list(a.view.nodes)), (b.view.generation, list(b.view.nodes))
     assert va[0] == vb[0] == 1 and va[1] != vb[1]
-    a._merge(*vb, sender=3)
-    assert (a.generation, a.nodes) == va, "a's view is the smaller: a keeps it"
-    b._merge(*va, sender=0)                    # b takes it, less node 1 that b dropped, one on
-    assert (b.generation, b.nodes) == (2, [0, 4, 3])
-    a._merge(b.generation, b.nodes, sender=3)
-    assert (a.generation, a.nodes) == (b.generation, b.nodes) == (2, [0, 4, 3])
+    a.view.merge(*vb, sender=3)
+    assert (a.view.generation, a.view.nodes) == va, "a's view is the smaller: a keeps it"
+    b.view.merge(*va, sender=0)                    # b takes it, less node 1 that b dropped, one on
+    assert (b.view.generation, b.view.nodes) == (2, [0, 4, 3])
+    a.view.merge(b.view.generation, b.view.nodes, sender=3)
+    assert (a.view.generation, a.view.nodes) == (b.view.generation, b.view.nodes) == (2, [0, 4, 3])
 
 
 def test_of_two_views_of_one_generation_the_node_left_out_follows_and_goes_idle():
     """Node 1 dropped node 2 and node 2 dropped node 1 (a pause): both choose [0, 1]; node 2 takes
     it as it is, without a move of its own, and is idle (a member of no world), never the end of the job."""
     one, two = Agent(1, spares=0), Agent(2, spares=0)
-    one._drop([2], [])
-    two._drop([1], [])
-    two._merge(one.generation, one.nodes, sender=1)
-    assert (two.generation, two.nodes) == (1, [0, 1]) and two.end is None
-    one._merge(1, [0, 2], sender=2)
-    assert one.nodes == [0, 1] and one.end is None
-    one._merge(1, [0], sender=2)
-    assert one.nodes == [0, 1], "a view without its sender is an idle agent's: not taken"
+    one.view.drop([2], [])
+    two.view.drop([1], [])
+    two.view.merge(one.view.generation, one.view.nodes, sender=1)
+    assert (two.view.generation, two.view.nodes) == (1, [0, 1]) and two.view.end is None
+    one.view.merge(1, [0, 2], sender=2)
+    assert one.view.nodes == [0, 1] and one.view.end is None
+    one.view.merge(1, [0], sender=2)
+    assert one.view.nodes == [0, 1], "a view without its sender is an idle agent's: not taken"
 
 
 def test_a_dropped_node_stays_out_until_it_is_heard_again():
     a = Agent(0)
-    a._drop([2], [])                           # generation 1: [0, 1]
-    a._merge(3, [0, 1, 2], sender=1)            # a peer that never dropped it
-    assert (a.generation, a.nodes) == (4, [0, 1]), "node 2 stripped, one generation on"
-    reply = a._hello({"node": 2, **a._identity()})   # its agent came back
+    a.view.drop([2], [])                           # generation 1: [0, 1]
+    a.view.merge(3, [0, 1, 2], sender=1)            # a peer that never dropped it
+    assert (a.view.generation, a.view.nodes) == (4, [0, 1]), "node 2 stripped, one generation on"
+    reply = a.talk.hello({"node": 2, **a.talk.identity()})   # its agent came back
     assert reply["ok"] and reply["nodes"] == [0, 1] and not reply["again"], "not a member: no restart"
-    assert a._idle() == [2, 3], "the returned node and the spare are both idle"
-    a._merge(5, [0, 1, 2], sender=1)
-    assert (a.generation, a.nodes) == (5, [0, 1, 2])
+    assert a.view.idle() == [2, 3], "the returned node and the spare are both idle"
+    a.view.merge(5, [0, 1, 2], sender=1)
+    assert (a.view.generation, a.view.nodes) == (5, [0, 1, 2])
 
 
 def test_the_lowest_member_grows_a_small_world_by_the_lowest_idle_node():
     lead, other = Agent(0), Agent(1)
     for agent in (lead, other):
-        agent.seen[3] = time.monotonic() - 60   # the spare is silent: a shrink
-        agent._drop([2], [])                   # both at [0, 1]
-        agent.seen[2] = agent.seen[3] = time.monotonic()   # node 2's agent is back, and the spare
-    other._take_idle()
-    assert other.nodes == [0, 1], "only the view's lowest node grows it"
-    lead._take_idle()
-    assert (lead.generation, lead.nodes) == (2, [0, 1, 2])
-    lead._take_idle()
-    assert lead.nodes == [0, 1, 2], "--nnodes reached: the spare stays idle"
+        agent.view.seen[3] = time.monotonic() - 60   # the spare is silent: a shrink
+        agent.view.drop([2], [])                   # both at [0, 1]
+        agent.view.seen[2] = agent.view.seen[3] = time.monotonic()   # node 2's agent is back, and the spare
+    other.view.take_idle()
+    assert other.view.nodes == [0, 1], "only the view's lowest node grows it"
+    lead.view.take_idle()
+    assert (lead.view.generation, lead.view.nodes) == (2, [0, 1, 2])
+    lead.view.take_idle()
+    assert lead.view.nodes == [0, 1, 2], "--nnodes reached: the spare stays idle"
 
 
 def test_an_idle_agent_follows_and_is_not_followed():
     spare, member = Agent(3), Agent(0)
-    assert spare.node not in spare.nodes
-    spare._drop([1], [])
-    assert spare.nodes == [0, 1, 2] and not spare.pushed, "an idle agent drops nothing"
-    member._drop([1], [])
-    spare._merge(member.generation, member.nodes, sender=0)
-    assert spare.nodes == [0, 3, 2]
+    assert spare.view.node not in spare.view.nodes
+    spare.view.drop([1], [])
+    assert spare.view.nodes == [0, 1, 2] and not spare.pushed, "an idle agent drops nothing"
+    member.view.drop([1], [])
+    spare.view.merge(member.view.generation, member.view.nodes, sender=0)
+    assert spare.view.nodes == [0, 3, 2]
     stale = Agent(3)
-    stale.generation, stale.nodes = 7, [0, 1, 2]
-    member._merge(stale.generation, stale.nodes, sender=4)
-    assert member.generation == 1, "a view from outside the view is not taken"
+    stale.view.generation, stale.view.nodes = 7, [0, 1, 2]
+    member.view.merge(stale.view.generation, stale.view.nodes, sender=4)
+    assert member.view.generation == 1, "a view from outside the view is not taken"
 
 
 def test_peek_answers_the_newest_world_without_moving_it():
     a = Agent(0)
-    a._drop([1], [])
-    assert a.handle({"op": "peek", "place": 6}) == {"generation": 1, "world_size": 6, "rank": 2,
+    a.view.drop([1], [])
+    assert a.talk.handle({"op": "peek", "place": 6}) == {"generation": 1, "world_size": 6, "rank": 2,
                                                     "plan_ranks": [0, 1, 6, 7, 4, 5]}
-    assert a.handle({"op": "peek", "place": 2})["error"] == "place 2 is not in the world of generation 1"
-    assert a.generation == 1
+    assert a.talk.handle({"op": "peek", "place": 2})["error"] == "place 2 is not in the world of generation 1"
+    assert a.view.generation == 1
 
 
 def test_a_second_hello_from_a_member_is_a_restarted_agent_and_a_stranger_ends_only_a_new_job():
     a = Agent(0)
-    assert a._hello({"node": 1, **a._identity()})["again"] is False
-    assert a._hello({"node": 1, **a._identity()})["again"] is True
-    a.workers = {0: object()}                     # running: a stranger is refused, the job goes on
-    reply = a._hello({"node": 2, **a._identity(), "run_id": "other"})
+    assert a.talk.hello({"node": 1, **a.talk.identity()})["again"] is False
+    assert a.talk.hello({"node": 1, **a.talk.identity()})["again"] is True
+    a.workers[0] = object()                       # running: a stranger is refused, the job goes on
+    reply = a.talk.hello({"node": 2, **a.talk.identity(), "run_id": "other"})
     assert reply["error"] == "the agent of node 2 has run_id 'other', the agent of node 0 has 't'"
-    assert a.end is None
-    a.workers = {}                                # at start the whole job is refused
-    assert a._hello({"node": 0, **a._identity()})["error"].startswith("two agents claim node rank 0")
-    assert a.end is not None and a.end.message.startswith("refused at start: two agents claim node rank 0")
+    assert a.view.end is None
+    a.workers.clear()                             # at start the whole job is refused
+    assert a.talk.hello({"node": 0, **a.talk.identity()})["error"].startswith("two agents claim node rank 0")
+    assert a.view.end is not None and a.view.end.message.startswith("refused at start: two agents claim node rank 0")
 
 
 def test_only_a_grow_leaves_the_members_world_whole():
     """agent.py waits for every member to re-form after a move that broke their world, and takes
     one that never comes for hung; a grow is taken at a step boundary, so nobody is waited for."""
     lead = Agent(0, spares=2)
-    lead._drop([2], [])                                 # the spare 3 takes node 2's slot
-    with lead.cond:
-        lead._move(lead.generation + 1, lead.nodes, "1 worker(s) lost on node 0")
-    lead.seen[4] = time.monotonic() - 60                # the second spare is silent: a shrink
-    lead._drop([1], [])
-    lead.seen[1] = time.monotonic()                     # node 1's agent came back: idle
-    lead._take_idle()
-    assert lead.nodes == [0, 3, 1]
+    lead.view.drop([2], [])                                 # the spare 3 takes node 2's slot
+    with lead.view.cond:
+        lead.view.move(lead.view.generation + 1, lead.view.nodes, "1 worker(s) lost on node 0")
+    lead.view.seen[4] = time.monotonic() - 60                # the second spare is silent: a shrink
+    lead.view.drop([1], [])
+    lead.view.seen[1] = time.monotonic()                     # node 1's agent came back: idle
+    lead.view.take_idle()
+    assert lead.view.nodes == [0, 3, 1]
     assert lead.moves == [(1, False), (2, False), (3, False), (4, True)]
     other = Agent(1, spares=2)
-    other._merge(1, [0, 1], sender=0)                   # a peer's shrink, then the peer's grow
-    other._merge(2, [0, 1, 4], sender=0)
+    other.view.merge(1, [0, 1], sender=0)                   # a peer's shrink, then the peer's grow
+    other.view.merge(2, [0, 1, 4], sender=0)
     assert other.moves == [(1, False), (2, True)]
 
 
@@ -202,10 +165,10 @@ def test_a_joined_worker_tells_its_generation_and_op_timeout():
     a = Agent(0)
     w = SimpleNamespace(proc=SimpleNamespace(pid=41), place=0, generation=0, joined=False, formed=-1,
                         op_timeout=None)
-    a.workers = {0: w}
-    assert a.handle({"op": "joined", "place": 0, "generation": 3, "pid": 41, "op_timeout": 7.5}) == {"ok": True}
+    a.workers[0] = w
+    assert a.talk.handle({"op": "joined", "place": 0, "generation": 3, "pid": 41, "op_timeout": 7.5}) == {"ok": True}
     assert (w.joined, w.formed, w.op_timeout) == (True, 3, 7.5)
-    a.handle({"op": "joined", "place": 0, "generation": 2, "pid": 41})   # late, and from an older build
+    a.talk.handle({"op": "joined", "place": 0, "generation": 2, "pid": 41})   # late, and from an older build
     assert (w.formed, w.op_timeout) == (3, 7.5), "a late report moves nothing back"
 
 
@@ -320,26 +283,26 @@ def test_a_re_form_with_every_peer_answering_moves_after_the_short_wait_not_the_
     a = Agent(0, spares=0)
     asked = answering(monkeypatch, {"h1": (0, [0, 1, 2]), "h2": (0, [0, 1, 2])})
     t0 = time.monotonic()
-    reply = a.handle({"op": "world", "place": 1, "formed": 0, "pid": 7})
+    reply = a.talk.handle({"op": "world", "place": 1, "formed": 0, "pid": 7})
     took = time.monotonic() - t0
     assert reply == {"generation": 1, "world_size": 6, "rank": 1, "plan_ranks": [0, 1, 2, 3, 4, 5]}
     assert membership.REFORM_WAIT_S <= took < a.opts.node_grace, took
-    assert sorted(asked) == ["h1", "h2"] and a.nodes == [0, 1, 2]
+    assert sorted(asked) == ["h1", "h2"] and a.view.nodes == [0, 1, 2]
     assert [f["why"] for e, f in a.events.seen if e == "view"] == ["re-form asked by a worker"]
 
 
 def test_a_re_form_takes_a_peers_newer_view_and_waits_the_grace_for_a_silent_peer(monkeypatch):
     a = Agent(0, spares=0)
     answering(monkeypatch, {"h1": (1, [0, 1, 2]), "h2": (0, [0, 1, 2])})     # node 1 replaced a worker
-    assert a.handle({"op": "world", "place": 0, "formed": 0, "pid": 7})["generation"] == 1
+    assert a.talk.handle({"op": "world", "place": 0, "formed": 0, "pid": 7})["generation"] == 1
     assert [f["why"] for e, f in a.events.seen if e == "view"] == ["a peer's view"]
     b = Agent(0, spares=0)
     b.opts.node_grace = 1.0
     answering(monkeypatch, {"h1": (0, [0, 1, 2])})                            # node 2 is silent
     t0 = time.monotonic()
-    reply = b.handle({"op": "world", "place": 0, "formed": 0, "pid": 7})
+    reply = b.talk.handle({"op": "world", "place": 0, "formed": 0, "pid": 7})
     assert time.monotonic() - t0 >= b.opts.node_grace, "a silent peer is dropped only after the grace"
-    assert (reply["generation"], b.nodes) == (1, [0, 1])
+    assert (reply["generation"], b.view.nodes) == (1, [0, 1])
     assert [f["message"] for e, f in b.events.seen if e == "node-lost"] == \
         ["node 2 did not answer a probe (a worker was waiting)"]
 
@@ -351,44 +314,44 @@ def test_a_peer_refusing_every_ask_is_lost_after_refused_s_and_one_that_does_not
     refused, timed_out = wire.WireError("refused", refused=True), wire.WireError("timed out")
     a = Agent(0, spares=1)
     for err in (refused, refused):
-        a._unanswered(1, err)
-    a._unanswered(2, refused)
-    a._unanswered(2, timed_out)
+        a.view.unanswered(1, err)
+    a.view.unanswered(2, refused)
+    a.view.unanswered(2, timed_out)
     now = time.monotonic()
-    for table in (a.refused, a.failing):            # the first failed ask was this long ago
+    for table in (a.view.refused, a.view.failing):            # the first failed ask was this long ago
         for n in table:
             table[n] -= membership.REFUSED_S + 0.1
     for n in (1, 2):
-        a.seen[n] = now - membership.REFUSED_S - 0.1
-    with a.cond:
-        assert a._lost_peers(now) == [1], "refused past REFUSED_S is lost; refused then timed out is not yet"
-        assert a._lost_peers(now + a.opts.node_grace) == [1, 2], "the timed-out one after the grace"
-    a._drop([1], [])
+        a.view.seen[n] = now - membership.REFUSED_S - 0.1
+    with a.view.cond:
+        assert a.view.lost_peers(now) == [1], "refused past REFUSED_S is lost; refused then timed out is not yet"
+        assert a.view.lost_peers(now + a.opts.node_grace) == [1, 2], "the timed-out one after the grace"
+    a.view.drop([1], [])
     [(event, lost)] = [(e, f) for e, f in a.events.seen if e == "node-lost"]
     assert lost["message"] == ("node 1 refused every ask for 1.5 s (nothing listens at its agent port: its "
                                "agent is gone); node 3 takes its slot"), lost
-    assert lost["refused"] == [1] and a.nodes == [0, 3, 2] and 1 not in a.refused
+    assert lost["refused"] == [1] and a.view.nodes == [0, 3, 2] and 1 not in a.view.refused
 
     b = Agent(0)
-    b._unanswered(1, refused)
-    b.refused[1] -= membership.REFUSED_S + 0.1
-    b._merge(0, [0, 1, 2], 1)                       # it answered since: its agent is back
-    with b.cond:
-        assert b._lost_peers(time.monotonic()) == [] and not b.refused
+    b.view.unanswered(1, refused)
+    b.view.refused[1] -= membership.REFUSED_S + 0.1
+    b.view.merge(0, [0, 1, 2], 1)                       # it answered since: its agent is back
+    with b.view.cond:
+        assert b.view.lost_peers(time.monotonic()) == [] and not b.view.refused
     c = Agent(0)
     c.opts.node_grace = 0.5                         # a grace shorter than REFUSED_S still governs
-    c._unanswered(1, refused)
-    c.refused[1] -= 0.6
-    with c.cond:
-        assert c._lost_peers(time.monotonic()) == [1]
-        why, refusing = c._silence(1, probed=False)
+    c.view.unanswered(1, refused)
+    c.view.refused[1] -= 0.6
+    with c.view.cond:
+        assert c.view.lost_peers(time.monotonic()) == [1]
+        why, refusing = c.view.silence(1, probed=False)
         assert refusing and why.startswith("refused every ask for 0.5 s")
     d = Agent(0)                                    # silent for the grace, refusing only lately
-    d._unanswered(1, wire.WireError("timed out"))
-    d._unanswered(1, refused)
-    d.failing[1] -= d.opts.node_grace + 0.1
-    d.seen[1] -= d.opts.node_grace + 0.1
-    d._drop([1], [])
+    d.view.unanswered(1, wire.WireError("timed out"))
+    d.view.unanswered(1, refused)
+    d.view.failing[1] -= d.opts.node_grace + 0.1
+    d.view.seen[1] -= d.opts.node_grace + 0.1
+    d.view.drop([1], [])
     [lost] = [f for e, f in d.events.seen if e == "node-lost"]
     assert lost["message"].startswith("node 1 silent for 5 s") and lost["refused"] == [], lost
 
@@ -400,13 +363,13 @@ def test_a_node_another_agent_dropped_for_refusing_is_not_grown_back_until_it_is
     [0, 1] and [0, 1, 2] every heartbeat until the workers gave up (benchmarks/launch.py, a node
     lost with no spare).  It is taken back once it pings again."""
     a = Agent(0, spares=0)
-    a._unanswered(2, wire.WireError("refused", refused=True))
-    a._merge(1, [0, 1], 1)
-    a._take_idle()
-    assert (a.generation, a.nodes) == (1, [0, 1]), "a node refusing asks is not idle"
-    a.handle({"op": "ping", "generation": 1, "nodes": [0, 1], "node": 2})     # its agent is back, idle
-    a._take_idle()
-    assert (a.generation, a.nodes) == (2, [0, 1, 2])
+    a.view.unanswered(2, wire.WireError("refused", refused=True))
+    a.view.merge(1, [0, 1], 1)
+    a.view.take_idle()
+    assert (a.view.generation, a.view.nodes) == (1, [0, 1]), "a node refusing asks is not idle"
+    a.talk.handle({"op": "ping", "generation": 1, "nodes": [0, 1], "node": 2})     # its agent is back, idle
+    a.view.take_idle()
+    assert (a.view.generation, a.view.nodes) == (2, [0, 1, 2])
 
 
 def test_a_node_given_away_as_slow_or_failing_asks_still_hears_that_the_job_finished():
@@ -415,15 +378,15 @@ def test_a_node_given_away_as_slow_or_failing_asks_still_hears_that_the_job_fini
     the members told only _idle()'s nodes that they finished: the slow node heard nothing, took
     the silence for a lost network and exited 18 after the job had finished (the goodput soak)."""
     a = Agent(0, nnodes=2, spares=3)
-    a.nodes = [0, 4]
-    a.slow[2] = time.monotonic()
-    a._unanswered(3, wire.WireError("timed out"))
-    del a.seen[1]                               # a spare whose agent was never heard
-    assert 2 not in a._idle() and 3 not in a._idle()
-    assert a._contacts() == [2, 3, 4]
-    a.finished.add(3)
-    a.gone[2] = time.monotonic() + 1            # dropped after it was last heard
-    assert a._contacts() == [4]
+    a.view.nodes = [0, 4]
+    a.view.slow[2] = time.monotonic()
+    a.view.unanswered(3, wire.WireError("timed out"))
+    del a.view.seen[1]                               # a spare whose agent was never heard
+    assert 2 not in a.view.idle() and 3 not in a.view.idle()
+    assert a.view.contacts() == [2, 3, 4]
+    a.view.finished.add(3)
+    a.view.gone[2] = time.monotonic() + 1            # dropped after it was last heard
+    assert a.view.contacts() == [4]
 
 
 def test_a_final_word_is_asked_again_where_no_answer_came_and_not_where_the_host_refused():
@@ -448,9 +411,9 @@ def test_a_final_word_is_asked_again_where_no_answer_came_and_not_where_the_host
         server = threading.Thread(target=serve, daemon=True)
         server.start()
         a = Agent(0)
-        a.addrs, a.port = ["127.0.0.9", "127.0.0.1", "127.0.0.2"], port
+        a.talk.addrs, a.talk.port = ["127.0.0.9", "127.0.0.1", "127.0.0.2"], port
         started = time.monotonic()
-        Membership._tell_peers(a, {"op": "leave", "node": 0, "reason": "done"}, [1, 2], membership.FINAL_TRIES)
+        a.talk.tell_peers({"op": "leave", "node": 0, "reason": "done"}, [1, 2], membership.FINAL_TRIES)
         server.join(5.0)
     assert time.monotonic() - started < membership.ASK_TIMEOUT_S
     assert got == [{"op": "leave", "node": 0, "reason": "done"}] * 2

@@ -1,5 +1,5 @@
 """A node whose link turns lossy and slow gives its ranks to a spare node, over a real slow port:
-tests/lossy.py's userspace switch adds 5 % loss and 20 ms each way to node 0's port while the job
+hpct/testing/lossy.py's userspace switch adds 5 % loss and 20 ms each way to node 0's port while the job
 trains (the goodput soak's lossy fault).  The agents' asks through that port stand out.  Node 0 is
 the view's lowest node, so the next one, node 1, gives node 0's slot to the spare (the 30-minute
 soak ended when the slow lowest node moved the view itself and nobody heard it).  Node 0's worker
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from launch_cluster import Agents, records
-from netns import unavailable_reason
-from test_launch_recovery import EXAMPLE, FSDP2, LIMIT_S, stock_digest, wait_progress
+from hpct.testing.cluster import Agents, records
+from hpct.testing.netns import unavailable_reason
+from launch_jobs import EXAMPLE, FSDP2, LIMIT_S, stock_digest, wait_progress
 
 pytestmark = [pytest.mark.serial, pytest.mark.multihost]
 
@@ -25,7 +25,7 @@ STEPS = ["--steps", "200", "--step-time", "0.03"]     # long enough to be found 
 def test_a_node_whose_link_turns_slow_gives_its_ranks_to_a_spare_and_the_run_is_bit_identical(tmp_path):
     if (why := unavailable_reason()) is not None:
         pytest.skip(why)
-    from lossy import lossy_network
+    from hpct.testing.lossy import lossy_network
 
     expect = stock_digest(tmp_path, 3, steps=STEPS)
     out = tmp_path / "out"
@@ -73,7 +73,7 @@ def test_a_node_slow_from_the_start_gives_its_slot_before_the_first_world_and_ev
     and then recovered (the 30-minute soak lost its start so, and once the whole job)."""
     if (why := unavailable_reason()) is not None:
         pytest.skip(why)
-    from lossy import lossy_network
+    from hpct.testing.lossy import lossy_network
 
     nodes, steps = (3, STEPS[:1] + ["30"] + STEPS[2:]) if script == EXAMPLE else (2, ["--steps", "20"])
     expect = stock_digest(tmp_path, 2 * nodes, script=script, steps=steps)

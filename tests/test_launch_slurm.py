@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from launch_cluster import parse_lines, progress, records
-from netns import unavailable_reason
+from hpct.testing.cluster import parse_lines, progress, records
+from hpct.testing.netns import unavailable_reason
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hpct.ports import free_port_block
-from launch_cluster import Agents
+from hpct.testing.cluster import Agents
 
 pytestmark = pytest.mark.multiprocess
 WORKER = str(Path(__file__).with_name("launch_worker.py"))

@@ -19,48 +19,156 @@ import torch
 import hpct
 import hpct.distributed as hd
 from hpct import errors
-from hpct.distributed import checks
+from hpct.distributed.backend import checks
 
 pytestmark = pytest.mark.unit
 
 RUNTIME = Path(hd.__file__).parent
+PACKAGE = Path(hpct.__file__).parent
+# What each concern of hpct.distributed may import of the others (docs/architecture.md draws it).
+MAY_IMPORT = {"backend": set(), "nccl": set(), "diagnostics": set(), "training": {"backend"},
+              "membership": {"backend", "nccl"}}
 
 
-def _imports(path: Path) -> set[str]:
-    """The hpct.distributed siblings a module imports (relative imports, any depth in the file)."""
-    names = set()
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    """Every Python module of the installed hpct, by its dotted name."""
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(name: str, path: Path, known) -> set[str]:
+    """The hpct modules ``name`` imports, at any depth of the file (a function's own import too): for
+    ``from X import y``, the module X.y when it is one, else X."""
+    package = name if path.stem == "__init__" else name.rpartition(".")[0]
+    found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:
-                names.add(node.module.split(".")[0])
-            else:
-                names.update(a.name for a in node.names)
-    return names
+        if isinstance(node, ast.Import):
+            targets = [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [(base, a.name) for a in node.names]
+        else:
+            continue
+        for module, attr in targets:
+            if attr is not None and f"{module}.{attr}" in known:
+                found.add(f"{module}.{attr}")
+            elif module in known:
+                found.add(module)
+    return found - {name}
+
+
+def _graph() -> dict[str, set[str]]:
+    known = _modules()
+    return {name: _imports(name, path, known) for name, path in known.items()}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected parts of more than one module (Tarjan), each a circle of imports."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
 
 
 def test_importing_the_runtime_loads_no_harness_and_no_build_pipeline():
     code = ("import sys, hpct.distributed; "
-            "print(sorted(m for m in sys.modules if m.startswith(('hpct.demo', 'hpct.builder', 'hpct.build'))))")
+            "print(sorted(m for m in sys.modules if m.startswith(('hpct.demo', 'hpct.builder', 'hpct.build', "
+            "'hpct.launch', 'hpct.testing'))))")
     out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
 
-def test_runtime_modules_import_in_one_direction():
-    # world -> group -> engines/monitor/checks -> ops/work: nothing below the facade imports it
-    # (the old backend <-> monitor cycle), and only world builds groups.
-    deps = {p.stem: _imports(p) for p in RUNTIME.glob("*.py") if p.stem != "__init__"}
-    assert "group" in deps and "gloo_engine" in deps and "backend" not in deps
-    importers_of_group = {m for m, d in deps.items() if "group" in d}
-    assert importers_of_group == {"world"}, importers_of_group
-    for low in ("gloo_engine", "monitor", "checks", "ops", "work", "slots", "state"):
-        assert "world" not in deps[low], f"{low} imports world"
+def test_no_module_of_hpct_imports_itself_in_a_circle():
+    graph = _graph()
+    assert graph["hpct.distributed.membership.recovery"] >= {"hpct.distributed.membership.world"}, \
+        "the graph is read: recovery imports world"
+    assert _circles(graph) == []
+
+
+def test_the_library_imports_nothing_of_the_launcher():
+    """hpct.distributed and hpct/launch share the agents' wire (hpct/wire.py); neither imports the
+    other for it.  A worker's library never loads the launcher."""
+    offenders = {m: sorted(d) for m, d in _graph().items()
+                 if m.startswith("hpct.distributed") and any(i.startswith("hpct.launch") for i in d)}
+    assert offenders == {}
+
+
+def test_runtime_concerns_import_in_one_direction():
+    # membership -> backend/nccl, training -> backend; the engines and the facade import no concern
+    # above them, and only membership/world.py builds groups.
+    graph = _graph()
+    concerns = {p.name for p in RUNTIME.iterdir() if (p / "__init__.py").is_file()}
+    assert concerns == set(MAY_IMPORT), concerns
+    prefix = "hpct.distributed."
+    for name, deps in graph.items():
+        if not name.startswith(prefix) or name.count(".") < 3:
+            continue
+        own = name[len(prefix):].split(".")[0]
+        others = {d[len(prefix):].split(".")[0] for d in deps if d.startswith(prefix) and d.count(".") >= 2}
+        assert others - {own} <= MAY_IMPORT[own], f"{name} imports {sorted(others - {own} - MAY_IMPORT[own])}"
+    importers_of_group = {m for m, d in graph.items() if prefix + "backend.group" in d and m != "hpct.distributed"}
+    assert importers_of_group == {prefix + "membership.world"}, importers_of_group
+    for low in ("slots", "world_state", "agent_link"):
+        assert prefix + "membership.world" not in graph[prefix + "membership." + low], f"{low} imports world"
+
+
+def test_the_modules_docs_name_keep_their_old_paths():
+    import importlib
+
+    from hpct.distributed.diagnostics import profile_comm
+    from hpct.distributed.training import diloco, striping
+    for old, new in (("diloco", diloco), ("striping", striping), ("profile_comm", profile_comm)):
+        assert importlib.import_module(f"hpct.distributed.{old}") is new
+    from hpct.distributed.diloco import DiLoCo
+    from hpct.distributed.striping import StripedGroup
+    assert (DiLoCo, StripedGroup) == (diloco.DiLoCo, striping.StripedGroup)
+    assert hd.profile_comm is profile_comm.profile_comm, "the package exports the function, not the module"
 
 
 def test_harness_lives_beside_the_demo_not_in_the_runtime():
     assert not any((RUNTIME / f"{m}.py").exists() for m in ("agent", "trainer", "measure"))
     demo = Path(hpct.__file__).parent / "demo"
     assert all((demo / f"{m}.py").is_file() for m in ("agent", "trainer", "measure"))
+
+
+def test_the_installed_harness_carries_what_it_runs():
+    """The tests and benchmarks import the harness from the installed hpct (hpct.testing), never
+    from the checkout; its null NCCL compiles null.c from beside null.py at run time, so the wheel
+    carries that source with the package's modules."""
+    from hpct.testing.nccl_sim import null
+    assert Path(null.__file__).is_relative_to(Path(hpct.__file__).parent)
+    assert null.SOURCE.is_file(), f"{null.SOURCE}: not installed with hpct.testing"
 
 
 def test_one_hierarchy_with_distinct_exit_codes():

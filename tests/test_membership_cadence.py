@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from hpct.distributed.admission import CHECK_PERIOD_S, _Cadence
+from hpct.distributed.membership.admission import CHECK_PERIOD_S, _Cadence
 
 pytestmark = pytest.mark.unit
 

@@ -374,7 +374,7 @@ def test_stock_missing_rank_hangs_until_killed(harness):
 @_slow
 @pytest.mark.multihost
 def test_rootless_across_network_namespaces(harness):
-    from netns import netns_network, unavailable_reason
+    from hpct.testing.netns import netns_network, unavailable_reason
     from hpct.ports import free_port_block
     if (why := unavailable_reason()) is not None:
         pytest.skip(why)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hpct.distributed.nccl import device, native
-from nccl_sim.callbacks import CAPTURING, GROUP, RECORD, SYNC, WAIT
+from hpct.testing.nccl_sim.callbacks import CAPTURING, GROUP, RECORD, SYNC, WAIT
 
 pytestmark = pytest.mark.unit
 NOT_READY, INVALID_HANDLE = device.CUDA_ERROR_NOT_READY, 400

@@ -15,22 +15,19 @@ for a real event's synchronize (a kernel that never ends keeps its thread there 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.nccl_sim
-TESTS = Path(__file__).resolve().parent          # the child imports the null doubles from tests/nccl_sim
 
 CHILD = r'''
 import sys
 import torch, torch.distributed as dist
 from hpct.distributed.nccl import library as nccl_lib
 from hpct.distributed.nccl.engine import NcclEngine
-from nccl_sim.null import NullNccl, NullRuntime
+from hpct.testing.nccl_sim.null import NullNccl, NullRuntime
 
 lib = NullNccl(group_end_result=nccl_lib.IN_PROGRESS)     # non-blocking: each launch settles
 eng = NcclEngine(rank=0, size=1, global_ranks=[0], generation=0, group_index=0, group_name="exit",
@@ -49,7 +46,6 @@ def test_exit_during_a_burst_of_completions_is_clean():
     # Without the stop at exit this aborted in 3 of 4 runs of 2000 ops on the 2-core CI machine.
     for attempt in range(4):
         proc = subprocess.run([sys.executable, "-P", "-c", CHILD, "2000"], capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": str(TESTS)},
                               timeout=120)
         assert proc.returncode == 0 and "exiting without shutdown" in proc.stdout, \
             (attempt, proc.returncode, proc.stderr[-2000:])

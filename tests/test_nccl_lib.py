@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hpct.config import Config
 from hpct.errors import HpctArgumentError, HpctError, TransportError
-from hpct.distributed.nccl import engine as nccl_engine, find as nccl_find, library as nccl_lib
+from hpct.distributed.nccl import engine as nccl_engine, find as nccl_find, library as nccl_lib, plan as nccl_plan
 from util import REPO
 
 pytestmark = pytest.mark.unit
@@ -223,7 +223,7 @@ def _engine(**kw):
     args = dict(name="0", index=0, slot=1, group_rank=1, global_ranks=[0, 1], generation=4, op_timeout=30.0,
                 run_id="job-7")
     args.update(kw)
-    return nccl_engine.engine_for_group(cfg, **args), cfg
+    return nccl_plan.engine_for_group(cfg, **args), cfg
 
 
 def test_engine_addresses_follow_the_port_plan():
@@ -231,7 +231,7 @@ def test_engine_addresses_follow_the_port_plan():
     # nccl block starts after the gloo block: 15000 + 8 slots * 2 = 15016; slot 1 -> +2; local rank 1
     assert eng.addresses == ["127.0.0.1:15018", "127.0.0.1:15019"] and eng.listen_addr == "127.0.0.1:15019"
     assert (eng.rank, eng.size, eng.generation, eng.group_index) == (1, 2, 4, 0)
-    assert nccl_engine.format_addr("fe80::1", 5) == "[fe80::1]:5"
+    assert nccl_plan.format_addr("fe80::1", 5) == "[fe80::1]:5"
     assert eng.failure is None and eng.library is None     # nothing loaded before the first op
 
 
@@ -250,9 +250,9 @@ def test_job_key_agrees_with_the_patched_torch_plan_module():
            "TORCHELASTIC_RUN_ID": "job-7"}
     plan = mod.load_plan(env)
     cfg = Config.from_mapping({k: v for k, v in env.items() if k != "TORCHELASTIC_RUN_ID"})
-    assert nccl_engine.job_key(cfg, "job-7") == mod.job_key(plan, env)
+    assert nccl_plan.job_key(cfg, "job-7") == mod.job_key(plan, env)
     theirs = mod.nccl_setup(plan, 1, 2, [0, 2, 3], 4, env)
-    ours = nccl_engine.nccl_addresses(cfg, 1, [0, 2, 3])
+    ours = nccl_plan.nccl_addresses(cfg, 1, [0, 2, 3])
     assert (theirs.listen_addr, theirs.next_addr) == (ours[2], ours[0])
 
 

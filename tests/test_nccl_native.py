@@ -1,5 +1,5 @@
 """The native launch's fault cases (issue 61 item 4): hpct._gloo.Launcher under the engine, driven by
-the simulated NCCL and runtime (ctypes callbacks) and by the null C double (tests/nccl_sim/null.c).
+the simulated NCCL and runtime (ctypes callbacks) and by the null C double (hpct/testing/nccl_sim/null.c).
 
 Each test names the broken variant it fails on (checked by building the extension with it):
 - a held launch is ended by the flag, then aborted under the lock; the launch runs without the GIL;
@@ -26,9 +26,9 @@ from hpct.distributed.nccl import native, watchdog as nccl_watchdog
 from hpct.distributed.nccl.comm import Communicator
 from hpct.distributed.nccl.engine import NcclEngine
 from hpct.distributed.nccl.work import NcclGroupError, NcclOpTimeoutError, NcclRefusedError
-from nccl_sim import null
-from nccl_sim.library import REMOTE_ERROR, SimNccl
-from nccl_sim.runtime import capture
+from hpct.testing.nccl_sim import null
+from hpct.testing.nccl_sim.library import REMOTE_ERROR, SimNccl
+from hpct.testing.nccl_sim.runtime import capture
 from sim_ranks import Ranks, no_breach, until  # noqa: F401 -- a fixture
 
 pytestmark = [pytest.mark.nccl_sim]

@@ -28,7 +28,7 @@ from hpct.builder.patches import extract_new_file, load_series
 from hpct.builder.sources import load_manifest, pinned_versions
 from hpct.config import Config
 from hpct.ports import PortPlan, free_port_block
-from netns import netns_network, unavailable_reason
+from hpct.testing.netns import netns_network, unavailable_reason
 from util import REPO
 
 # serial: the profile measured it filling both cores or timing itself (ci/test.sh)

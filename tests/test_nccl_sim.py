@@ -1,4 +1,4 @@
-"""The NCCL engine's own code over the simulated NCCL and CUDA runtime (tests/nccl_sim), ranks as threads.
+"""The NCCL engine's own code over the simulated NCCL and CUDA runtime (hpct/testing/nccl_sim), ranks as threads.
 
 Every op form against its definition, and one test per defect that a reading of the engine
 against NCCL 2.30.7 and ProcessGroupNCCL found (issue 27; the number is the issue's).  What
@@ -20,8 +20,8 @@ from torch._C._distributed_c10d import _create_work_from_future
 from hpct.errors import CollectiveError, HpctArgumentError
 from hpct.distributed.nccl import comm as nccl_comm, library as nccl_lib, watchdog as nccl_watchdog
 from hpct.distributed.nccl.work import NcclAbortedError, NcclGroupError
-from nccl_sim.library import REMOTE_ERROR, SimNccl
-from nccl_sim.runtime import capture, drain
+from hpct.testing.nccl_sim.library import REMOTE_ERROR, SimNccl
+from hpct.testing.nccl_sim.runtime import capture, drain
 from sim_ranks import Ranks, no_breach  # noqa: F401 -- a fixture
 
 pytestmark = [pytest.mark.nccl_sim]

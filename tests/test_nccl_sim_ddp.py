@@ -1,4 +1,4 @@
-"""DDP training on the NCCL engine over the simulated NCCL (tests/nccl_sim), in separate processes.
+"""DDP training on the NCCL engine over the simulated NCCL (hpct/testing/nccl_sim), in separate processes.
 
 The trainer is the CPU tier's (``python -m hpct.demo.trainer``) started through
 tests/nccl_sim_run.py, the test-only switch that routes every group's CPU tensors to the

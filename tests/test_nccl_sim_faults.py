@@ -19,16 +19,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import nccl_sim
+from hpct.testing import nccl_sim
 from hpct.distributed.nccl import comm as nccl_comm, watchdog as nccl_watchdog
 from hpct.distributed.nccl.engine import NcclEngine
 from hpct.distributed.nccl.library import BLOCKING, NONBLOCKING
 from hpct.distributed.nccl.work import NcclConnectError, NcclGroupError, NcclOpTimeoutError, NcclRefusedError
 from hpct.errors import HpctArgumentError
 from hpct.ports import free_port_block
-from nccl_sim import runtime as sim_runtime
-from nccl_sim.library import SimNccl
-from nccl_sim.runtime import SimRuntime, capture
+from hpct.testing.nccl_sim import runtime as sim_runtime
+from hpct.testing.nccl_sim.library import SimNccl
+from hpct.testing.nccl_sim.runtime import SimRuntime, capture
 from sim_ranks import Ranks, no_breach, until  # noqa: F401 -- a fixture
 
 pytestmark = [pytest.mark.nccl_sim]

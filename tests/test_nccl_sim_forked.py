@@ -1,5 +1,5 @@
 """A worker forked by `hpct run`'s fork server (its default) runs its first CUDA op, here on the NCCL
-engine over the simulated library and CUDA runtime (tests/nccl_sim).
+engine over the simulated library and CUDA runtime (hpct/testing/nccl_sim).
 
 The fork server must never ask CUDA anything: once a process has (torch.cuda.is_available(), or
 device_count() without NVML), torch marks every child it forks as a bad fork, whose first CUDA op
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from hpct.ports import free_port_block
-from launch_cluster import Agents
+from hpct.testing.cluster import Agents
 
 pytestmark = pytest.mark.nccl_sim
 WORKER = str(Path(__file__).with_name("forked_engine_worker.py"))

@@ -2,7 +2,7 @@
 
 Each round forms a fresh group of ranks (threads) over the simulated NCCL, whose library holds
 every call open a little (so that two calls on one comm overlap if the engine lets them) and
-fails the round on any breach of NCCL's rules (tests/nccl_sim).  While the ranks run a mix of
+fails the round on any breach of NCCL's rules (hpct/testing/nccl_sim).  While the ranks run a mix of
 ops, a chaos thread does one of: an asynchronous error on one comm (a peer's reset), an
 abort from a foreign thread, a shutdown while ops run, a watchdog failure racing the
 shutdown, or nothing.  Every round must end without a hang (every rank's thread returns,
@@ -23,7 +23,7 @@ import torch
 
 from hpct.distributed.nccl import watchdog as nccl_watchdog
 from hpct.errors import CollectiveError
-from nccl_sim.library import REMOTE_ERROR, SimNccl
+from hpct.testing.nccl_sim.library import REMOTE_ERROR, SimNccl
 from sim_ranks import Ranks, no_breach  # noqa: F401 -- a fixture
 
 pytestmark = [pytest.mark.nccl_sim, pytest.mark.slow]

@@ -45,7 +45,7 @@ def test_the_hiding_reproduces_a_venv_without_numpy(no_numpy):
 
 BUFFERS = r"""
 import io, struct, sys, torch
-from hpct.distributed.ops import as_bytes, byte_view, to_bytes
+from hpct.distributed.backend.ops import as_bytes, byte_view, to_bytes
 assert "numpy" not in sys.modules or sys.modules["numpy"] is None
 t = torch.tensor([1.5, -2.0], dtype=torch.float32)
 assert to_bytes(t) == struct.pack("<2f", 1.5, -2.0)
@@ -81,7 +81,8 @@ def test_byte_buffers_without_numpy(no_numpy):
 @pytest.mark.multiprocess
 def test_every_collective_matches_processgroupgloo_without_numpy(no_numpy, tmp_path):
     """The backend parity run (tests/test_backend.py's workers), with numpy hidden from every rank."""
-    from test_backend import SUPERSET, WORLD, run, same
+    from backend_parity import SUPERSET, WORLD, run
+    from util import same
     gloo, _ = run(tmp_path, "gloo", [0, 1, 2, 3])
     hpct, _ = run(tmp_path, "hpct", [3, 2, 1, 0])
     def errors(runs):

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from hpct.distributed.parity import Move, ParityReport, _majority
+from hpct.distributed.training.parity import Move, ParityReport, _majority
 from util import run_rank_script
 
 # serial: the profile measured it filling both cores or timing itself (ci/test.sh)

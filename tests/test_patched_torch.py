@@ -156,7 +156,7 @@ def test_pytorchs_c10d_gloo_tests_pass_and_skip_alike_on_stock_and_patched(envs,
 # ------------------------------------------------------------------ rootless, across hosts
 
 def test_eight_rootless_ranks_in_four_namespaces_need_no_store_and_listen_only_on_the_plan(envs):
-    from netns import netns_network, unavailable_reason
+    from hpct.testing.netns import netns_network, unavailable_reason
     from hpct.ports import port_of
     reason = unavailable_reason()
     if reason:

@@ -28,7 +28,7 @@ def _worker(rank: int, world: int, store_path: str, made: list) -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from hpct.distributed.profile_comm import profile_comm
+    from hpct.distributed.diagnostics.profile_comm import profile_comm
     from hpct.errors import HpctArgumentError
 
     torch.set_num_threads(1)
@@ -240,7 +240,7 @@ def test_disabled_records_nothing(results):
 
 @pytest.mark.unit
 def test_union():
-    from hpct.distributed.profile_comm import _union
+    from hpct.distributed.diagnostics.profile_comm import _union
     assert _union([(0, 2), (1, 3), (5, 6)]) == 4
     assert _union([(0, 2), (1, 3), (5, 6)], lo=2.5) == 1.5
     assert _union([(0, 10)], lo=2, hi=3) == 1
@@ -261,7 +261,7 @@ def test_exit_waits_for_a_completed_futures_callable():
     import time
 
     import torch
-    from hpct.distributed.profile_comm import _HeldCallables
+    from hpct.distributed.diagnostics.profile_comm import _HeldCallables
 
     held, fut, order = _HeldCallables(), torch.futures.Future(), []
     holder = [held.hold(lambda f: None, fut)]
@@ -287,7 +287,7 @@ def test_exit_does_not_wait_for_a_future_that_never_completes():
     import time
 
     import torch
-    from hpct.distributed.profile_comm import _HeldCallables
+    from hpct.distributed.diagnostics.profile_comm import _HeldCallables
 
     held, fut = _HeldCallables(), torch.futures.Future()
     fn = held.hold(lambda f: None, fut)   # a hung group: its callbacks never run, nothing to wait for
@@ -311,7 +311,7 @@ def _exit_check(store_path: str) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    pc = importlib.import_module("hpct.distributed.profile_comm")  # the module; the package exports the function
+    pc = importlib.import_module("hpct.distributed.diagnostics.profile_comm")  # the module; the package exports the function
 
     def report():
         held = list(pc._HELD._held.values())

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from test_pytorch_patches import (  # noqa: F401  (fixtures are used by name)
+from pytorch_series import (  # noqa: F401  (fixtures are used by name)
     CACHE, GLOO_CONFIG, GLOO_PATCHED, MODULE, PATCHED, PRISTINE, SERIES_DIR, TORCH_INCLUDE, VECTORS,
     _error_names, changed_files, compile_env, fetch_extra_headers, fetch_torch_headers, patched_tree, rl,
 )

@@ -30,7 +30,7 @@ DEADLINE = 180.0
 @pytest.fixture(scope="module", params=["gloo", pytest.param("nccl_sim", marks=pytest.mark.nccl_sim)])
 def res(request, tmp_path_factory) -> list[dict]:
     """The job's results; "nccl_sim": the same job with every op on the NCCL engine over the
-    simulated library (tests/nccl_sim), so a reconfigure also rebuilds the NCCL engine."""
+    simulated library (hpct/testing/nccl_sim), so a reconfigure also rebuilds the NCCL engine."""
     out = tmp_path_factory.mktemp(f"reconfigure-{request.param}")
     argv = [str(WORKER)] if request.param == "gloo" else [str(SIM_RUN), "-m", "reconfigure_worker"]
     job = forked_job([sys.executable, *argv, str(out), str(out / "store")], 4, free_port_block(8 * 4), out,

@@ -1,4 +1,4 @@
-"""Striping over k connections per peer pair (hpct.distributed.striping, issue 18 item 6)."""
+"""Striping over k connections per peer pair (hpct.distributed.training.striping, issue 18 item 6)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ RANK = r'''
 import json, os, sys
 import torch, torch.distributed as dist
 import hpct.distributed as hd
-from hpct.distributed.striping import StripedGroup
+from hpct.distributed.training.striping import StripedGroup
 out = sys.argv[1]
 rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 hd.init_process_group(timeout=60.0)
@@ -61,7 +61,7 @@ def test_striped_collectives_are_exact_and_identical_on_every_member(tmp_path, w
 @pytest.mark.unit
 @pytest.mark.parametrize("k", [0, 65, 2.5])
 def test_a_bad_stripe_count_is_named(k):
-    from hpct.distributed.striping import StripedGroup
+    from hpct.distributed.training.striping import StripedGroup
     from hpct.errors import HpctArgumentError
     with pytest.raises(HpctArgumentError, match=r"k=.* must be an integer from 1 to 64"):
         StripedGroup(k)

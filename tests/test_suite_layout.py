@@ -115,3 +115,39 @@ def test_no_module_name_is_both_a_test_helper_and_a_benchmark_or_ci_script():
     for other in ("benchmarks", "ci"):
         assert not names("tests") & names(other), f"rename the tests/ helper: {sorted(names('tests') & names(other))}"
     assert not names("benchmarks") & names("ci"), sorted(names("benchmarks") & names("ci"))
+
+
+def _sources() -> list[Path]:
+    return sorted([*(REPO / "tests").glob("*.py"), *(REPO / "benchmarks").glob("*.py")])
+
+
+def test_no_test_module_imports_another_and_nothing_puts_tests_on_sys_path():
+    """Tests and benchmarks share the harness by name (hpct.testing, installed with hpct) and the
+    tests' other helpers through non-test modules (util.py, launch_jobs.py, ...): no module of
+    tests/ or benchmarks/ imports a test module, and none puts tests/ itself on sys.path (issue 62).
+    tests/gpu (the GPU pack's scripts) and ci/ (scripts) may be put there: they are no test files."""
+    tests = {p.stem for p in (REPO / "tests").glob("test_*.py")}
+    imports, path_edits = [], []
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                names = []
+            if any(n.split(".")[0] in tests for n in names):
+                imports.append(f"{path.relative_to(REPO)}:{node.lineno}")
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.path.insert", "sys.path.append") \
+                    and re.search(r"'tests'\)*$", ast.unparse(node)):
+                path_edits.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert imports == [], f"test modules imported by other modules (move the shared part to a helper): {imports}"
+    assert path_edits == [], f"tests/ put on sys.path (import the harness from hpct.testing): {path_edits}"
+
+
+def test_the_old_harness_homes_are_gone():
+    """The harness moved to hpct/testing/: a copy left in tests/ would shadow it (tests/ is on the
+    suite's pythonpath) and drift."""
+    old = [*(REPO / "tests" / n for n in ("netns.py", "lossy.py", "launch_cluster.py")),
+           *(REPO / "tests" / "nccl_sim").glob("*.py")]      # a checkout may keep its __pycache__
+    assert [str(p.relative_to(REPO)) for p in old if p.exists()] == []

@@ -18,7 +18,7 @@ from hpct.cli import main
 from hpct.errors import SysctlError
 from hpct.sysctl import (PORT_RANGE, RESERVED_PORTS, Sysctl, Write, apply, format_ranges, parse_port_range,
                          parse_ranges, plan_writes)
-from netns import netns, netns_network, unavailable_reason
+from hpct.testing.netns import netns, netns_network, unavailable_reason
 
 GLOO, NCCL = range(12000, 12008), range(12008, 12016)
 HIGH_GLOO, HIGH_NCCL = range(30000, 30008), range(30008, 30016)

@@ -3,8 +3,9 @@
 A fresh interpreter spends about 3 CPU-seconds importing torch; the serial tier starts hundreds
 of ranks, and on 2 cores that import was most of its CPU.  ``launch()`` hands an argv of the form
 ``python [-u] [-P] SCRIPT ARGS`` or ``python [-u] [-P] -m MODULE ARGS`` to a server process
-(tests/zygote_server.py) that has imported torch and torch.distributed (not hpct: hpct reads its
-variables when the rank imports it, after the fork).  The server forks; the child takes the
+(tests/zygote_server.py, on the loop of hpct/launch/forkserver.py) that has imported torch and
+torch.distributed (not hpct.distributed: hpct reads its variables when the rank imports it, after
+the fork; the server's loop reads none).  The server forks; the child takes the
 rank's environment, folder, session and log, runs the script as ``__main__`` and leaves through
 the interpreter's own exit (threads joined, atexit, finalisation), as a spawned rank would.
 

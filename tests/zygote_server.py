@@ -1,19 +1,25 @@
 """The fork server of tests/zygote.py (which says what it is for and what it proves).
 
-Requests arrive as JSON lines on stdin: {"id", "argv", "env", "log", "cwd", "exec"}, and
-"socket" where the child's stdin and stdout are a Unix socket the caller listens on (the child
-sends its id first; its stderr goes to the log).  For each, the server forks; it reports
-{"ev": "forked", "id", "pid"} and, once it has reaped the child, {"ev": "exited", "id", "code"}
-(a Popen's returncode: negative for a signal).  It stays single-threaded, so a fork copies no
-lock another thread holds, and it exits at the end of stdin.
+Its loop is ``hpct run``'s fork server's (hpct/launch/forkserver.py, ``serve_orders``): orders
+arrive as JSON lines on stdin, the server forks for each and reports {"ev": "forked", "id", "pid"}
+once the child leads its own session, and, once it has reaped the child, {"ev": "exited", "id",
+"pid", "code", "cpu"} (code: a Popen's returncode, negative for a signal; cpu: the seconds the
+child and its own children used, which the suite's profile counts).  It stays single-threaded,
+so a fork copies no lock another thread holds, and it exits at the end of stdin without waiting
+for its children (they die with it: PR_SET_PDEATHSIG).
+
+What is the suite's own is the child (``child``): an order here is {"id", "argv", "env", "log",
+"cwd", "exec"}, and "socket" where the child's stdin and stdout are a Unix socket the caller
+listens on (the child sends its id first; its stderr goes to the log).  The child runs
+``python [flags] SCRIPT|-m MOD|-c CODE`` the way that interpreter would, and leaves through the
+interpreter's own exit (finalisation included), or execs the argv it cannot reproduce; hpct
+run's child (forkserver._child) runs only what a standby becomes and skips the finalisation.
 """
 
 import ctypes
 import io
-import json
 import os
 import runpy
-import select
 import signal
 import socket
 import sys
@@ -22,12 +28,10 @@ import types
 import torch                      # noqa: F401  (the point of the server: imported once)
 import torch.distributed          # noqa: F401
 
+from hpct.launch.forkserver import serve_orders
+
 PR_SET_PDEATHSIG = 1
 FLAGS = {"-u", "-P", "-B"}        # interpreter flags a forked child reproduces
-
-
-def emit(ev: str, **facts) -> None:
-    os.write(1, (json.dumps({"ev": ev, **facts}) + "\n").encode())
 
 
 def plan(argv: list[str]):
@@ -44,10 +48,12 @@ def plan(argv: list[str]):
     return None
 
 
-def child(req: dict) -> None:
-    """The forked rank: its session, log, folder and environment, then its program; never returns."""
+def child(req: dict, settled: int) -> None:
+    """The forked rank: its session, log, folder and environment, then its program; never returns
+    (it raises SystemExit, or the program's error, up and out of the server's loop)."""
     os.setsid()
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)   # the server gone, so is the rank
+    os.close(settled)              # the server now tells its pid: its session exists
     log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     if req.get("socket"):          # stdin and stdout: a Unix socket the caller listens on
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -100,32 +106,5 @@ def child(req: dict) -> None:
     sys.exit(0)     # the interpreter's own exit: threads joined, atexit, finalisation
 
 
-def serve() -> None:
-    children: dict[int, int] = {}             # pid -> id
-    pending = b""
-    while True:
-        if select.select([0], [], [], 0.05)[0]:
-            data = os.read(0, 1 << 16)
-            if not data:
-                return
-            pending += data
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                req = json.loads(line)
-                pid = os.fork()
-                if pid == 0:
-                    child(req)                # raises SystemExit (or the program's error) up and out
-                children[pid] = req["id"]
-                emit("forked", id=req["id"], pid=pid)
-        while children:
-            pid, status, usage = os.wait4(-1, os.WNOHANG)
-            if pid == 0:
-                break
-            # Its CPU (and its own children's): the suite's profile counts a forked rank's CPU
-            # as it counts a spawned one's, which pytest's RUSAGE_CHILDREN never sees.
-            emit("exited", id=children.pop(pid), code=os.waitstatus_to_exitcode(status),
-                 cpu=round(usage.ru_utime + usage.ru_stime, 3))
-
-
 if __name__ == "__main__":
-    serve()
+    sys.exit(serve_orders(child, linger=False))

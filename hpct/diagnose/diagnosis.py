@@ -45,7 +45,7 @@ def _missing(err: RendezvousError) -> list[int]:
 
 
 def _connect(cfg: Config, rank: int, world: int, base: int, opts: Options, deadline: float):
-    from ..distributed.world import connect_context
+    from ..distributed.membership.world import connect_context
     p = cfg.nproc_per_node
     peers = shared_peers(cfg.hosts, base, range(world), p)
     # Every pair at once: a rank that never arrives is named here, not in the first round.

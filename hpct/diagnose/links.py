@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..distributed import ops
+from ..distributed.backend import ops
 from ..errors import DiagnoseTimeout, TransportError
 from .schedule import Link
 

@@ -14,7 +14,7 @@ import struct
 
 import torch
 
-from ..distributed import ops
+from ..distributed.backend import ops
 from ..errors import DiagnoseTimeout
 from . import links as measuring
 from .schedule import Link, partner

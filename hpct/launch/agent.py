@@ -1,6 +1,7 @@
 """One node's agent: starts its workers, replaces a lost one in place, and answers its workers'
-``hd.recover()``; agreeing with the other agents is membership.py's half, and what a worker's
-end or silence makes it do is losses.py's.
+``hd.recover()``.  Three collaborators, each handed what it uses: the view of the job and its
+rules (view.py's ``View``), the talk with the other agents and the workers (membership.py's
+``Membership``), and what a worker's end or silence makes it do (losses.py's ``Losses``).
 
 No agent is special.  Each listens at ``hosts[node]:HPCT_AGENT_PORT``.  A lost worker (ended
 by a signal) moves the job's view one generation on and its replacement starts in that
@@ -22,23 +23,24 @@ import socket
 import threading
 import time
 
+from .. import wire
 from ..config import VARIABLES, Config
 from ..errors import LaunchError
-from . import wire
 from .events import EventLog
 from .forkserver import ForkServer
-from .links import LinkTimes
+from .health import stranded
 from .losses import Losses
-from .membership import ASK_TIMEOUT_S, FINAL_TRIES, JobEnd, Membership
+from .membership import ASK_TIMEOUT_S, FINAL_TRIES, Membership
 from .options import STOP_GRACE_S, RunOptions
-from .workers import Pool, Worker, standbys_due, stop, stranded
+from .pool import Pool, Worker, standbys_due
+from .procs import stop
+from .view import JobEnd, View
 
 POLL_S = 0.02                 # worker exits are noticed within this
-FOLLOWS_S = 1.0               # a worker that asked about the view this recently follows a newer one itself
 FORK_READY_S = 120.0          # a fork server not warm by then (torch not importable?): workers start cold
 
 
-class NodeAgent(Losses, Membership):
+class NodeAgent:
     def __init__(self, opts: RunOptions, env: dict[str, str]) -> None:
         self.opts, self.node = opts, opts.node_rank
         self.cfg = Config.from_mapping({k: v for k, v in env.items() if k in _CONFIG_NAMES - _PER_WORKER} |
@@ -47,29 +49,20 @@ class NodeAgent(Losses, Membership):
         # Names (Slurm's node001, a pod's DNS name) resolve once: every process then uses addresses.
         self.addrs = tuple(_resolve(h) for h in opts.hosts)
         self.events = EventLog(self.node, opts.json_log)
-        self.cond = threading.Condition()
-        self.generation, self.nodes = 0, list(range(opts.nnodes))
-        self.finished: set[int] = set()
-        self.gone: dict[int, float] = {}         # node -> when this agent dropped it
         self.active = False                      # this node's workers hold its slot
         self.took_slot = 0.0                     # when they started (monotonic)
         self.finished_here = False               # a worker of this node exited 0: its world is over
         self.left_view = False                   # the view lost this node while its workers ran
-        self.hellos: set[int] = set()            # nodes whose agents said hello to this one
-        self.restarted = False                   # a peer knew this node's agent before this one
-        self.seen = {n: time.monotonic() for n in self.nodes}
-        self.failing: dict[int, float] = {}      # node -> its first unanswered ask since an answer
-        self.refused: dict[int, float] = {}      # node -> its first refused ask, every ask since refused
-        self.leaving: dict[int, float] = {}
-        self.workers: dict[int, Worker] = {}
-        self.restarts: dict[int, int] = {}
-        self.broke_at: float | None = None       # the last view move that broke the members' world
-        self.stopped_checked = 0.0               # when the workers' states were last read (losses.py)
-        self.link_times = LinkTimes()            # this agent's answered asks per peer (links.py)
-        self.heard_links: dict[int, tuple[float, dict[int, float]]] = {}   # node -> (when, its links)
-        self.slow: dict[int, float] = {}         # node -> since when its links stand out
-        self.end: JobEnd | None = None
+        self.workers: dict[int, Worker] = {}     # local rank -> its worker (Membership and Losses share it)
         self.signalled: int | None = None
+        self.view = View(self.node, opts, self.events, push=lambda message: self.membership.tell_peers(message),
+                         on_moved=self._view_moved, stopping=lambda: self.signalled is not None)
+        self.membership = Membership(self.view, opts=opts, addrs=self.addrs, port=self.port,
+                                     connect_timeout=self.cfg.connect_timeout, workers=self.workers,
+                                     events=self.events, signalled=lambda: self.signalled)
+        self.losses = Losses(self.view, workers=self.workers, start=self._start, events=self.events,
+                             max_restarts=opts.max_restarts, stopped_grace=opts.stopped_grace,
+                             default_bound_s=self.cfg.connect_timeout)
         self.base_env = self._base_env(env)
         self.pool = Pool(opts.command, opts.python_script, opts.log_dir / f"node{self.node}", opts.standby,
                          self.base_env, on_ready=lambda pid: self.events.emit("standby", f"pid {pid} ready",
@@ -92,13 +85,9 @@ class NodeAgent(Losses, Membership):
             base.setdefault("OMP_NUM_THREADS", "1")      # torchrun's default too
         return base
 
-    def _world(self) -> tuple[list[int], int]:
-        p = self.opts.nproc_per_node
-        return [n * p + l for n in self.nodes for l in range(p)], self.generation
-
     def _start(self, local_rank: int, restarts: int = 0, world: tuple[list[int], int] | None = None) -> None:
         place = self.node * self.opts.nproc_per_node + local_rank
-        plan, gen = world or self._world()
+        plan, gen = world or self.view.world()
         if place not in plan:
             raise JobEnd(1, f"place {place} is not in the world of generation {gen}")
         rank = plan.index(place)
@@ -118,7 +107,7 @@ class NodeAgent(Losses, Membership):
     def run(self) -> int:
         o = self.opts
         try:
-            server = wire.Server(self.addrs[self.node], self.port, self.handle)
+            server = wire.Server(self.addrs[self.node], self.port, self.membership.handle)
         except OSError as err:
             raise LaunchError(f"node {self.node}'s agent cannot listen at {o.hosts[self.node]}:{self.port}: "
                               f"{err.strerror or err}",
@@ -135,16 +124,17 @@ class NodeAgent(Losses, Membership):
             for flag in o.unused:
                 self.events.emit("unused", f"{flag} is not used: agents find each other from the host list "
                                  "and the port plan", flag=flag)
-            self._greet()
-            with self.cond:
-                if self.node in self.nodes and (self.generation > 0 or self.restarted):
+            self.membership.greet()
+            view = self.view
+            with view.cond:
+                if self.node in view.nodes and (view.generation > 0 or self.membership.restarted):
                     # This node's agent restarted before the others dropped it: its slot is
                     # empty, so its workers start again as replacements, one generation on.
-                    self._move(self.generation + 1, self.nodes, f"node {self.node}'s agent came back")
-            if self.node not in self.nodes:
+                    view.move(view.generation + 1, view.nodes, f"node {self.node}'s agent came back")
+            if self.node not in view.nodes:
                 self._idle_wait()
                 self.pool.fill()         # a member's standbys wait for its workers' world (_watch)
-            threading.Thread(target=self._heartbeat, name="hpct-agent-heartbeat", daemon=True).start()
+            threading.Thread(target=self.membership.heartbeat, name="hpct-agent-heartbeat", daemon=True).start()
             code = self._watch()
         except JobEnd as end:
             code = self._finish(end)
@@ -159,23 +149,19 @@ class NodeAgent(Losses, Membership):
         self.signalled = signum
 
     def _view_moved(self, generation: int, grow: bool) -> None:
-        if self.active and self.node not in self.nodes:
+        """The view moved (its lock is held)."""
+        if self.active and self.node not in self.view.nodes:
             self.left_view = True        # even if taken back at once: its workers' world is gone
-        now = time.monotonic()
-        if not grow:
-            self.broke_at = now
-        for w in self.workers.values():      # a replacement that has not joined yet would be stale
-            if (0 < w.generation < generation and not w.joined and w.proc.poll() is None
-                    and now - w.watched > FOLLOWS_S):
-                stop([w.proc], 0.0)
+        self.losses.view_moved(generation, grow)
 
     def _idle_wait(self) -> None:
         """Outside the view: keep a warm standby for every local rank until taken in (with a fork
         server, the slot's workers are forked from it instead)."""
         o = self.opts
-        self.events.emit("idle", f"node {self.node} is outside the view (generation {self.generation}, nodes "
-                         f"{self.nodes}): it waits to take a lost node's slot or to join by grow",
-                         generation=self.generation, nodes=self.nodes)
+        view = self.view
+        self.events.emit("idle", f"node {self.node} is outside the view (generation {view.generation}, nodes "
+                         f"{view.nodes}): it waits to take a lost node's slot or to join by grow",
+                         generation=view.generation, nodes=view.nodes)
         if o.python_script and self.pool.forks is None:     # a fork server starts a slot's workers as fast
             self.pool.size = max(o.standby, o.nproc_per_node)
 
@@ -185,24 +171,24 @@ class NodeAgent(Losses, Membership):
         # an original member's first workers are then still generation 0's, which hold the seeded
         # state (a script takes a process started above generation 0 for a replacement, without
         # state), and they follow the view to its newer world as they connect.
-        with self.cond:
-            admitted = self._world()
+        with self.view.cond:
+            admitted = self.view.world()
         forks = self.pool.forks
         if forks is not None and not forks.ready.is_set():
             t0 = time.monotonic()      # its one import of torch, against one per worker
             while not forks.ready.wait(0.1) and forks.alive() and time.monotonic() - t0 < FORK_READY_S \
-                    and self.signalled is None and self.end is None:
+                    and self.signalled is None and self.view.end is None:
                 pass
             ready = forks.ready.is_set()
             self.events.emit("fork-server", f"pid {forks.proc.pid} " + (
                 f"ready after {time.monotonic() - t0:.1f} s more" if ready else
                 f"not ready within {FORK_READY_S:g} s: workers start cold (its log {forks.log})"),
                 pid=forks.proc.pid, ready=ready)
-        with self.cond:
-            member = self.node in self.nodes
+        with self.view.cond:
+            member = self.node in self.view.nodes
         if not member:                  # the view gave the slot away meanwhile (a slow node's, say)
             self._idle_wait()
-            self._tell_peers(self._hello_request())
+            self.membership.tell_peers(self.membership.hello_request())
             self.pool.fill()
             return
         gen = admitted[1]
@@ -213,25 +199,26 @@ class NodeAgent(Losses, Membership):
             self._start(local, world=admitted)
 
     def _step_down(self) -> None:
-        with self.cond:
-            gen, self.gone, self.left_view = self.generation, {}, False
+        with self.view.cond:
+            gen, self.view.gone, self.left_view = self.view.generation, {}, False
         self.events.emit("dropped", f"node {self.node} is not in the view of generation {gen}: its workers "
                          "stop and it says hello again, to be taken back", generation=gen)
         self.active = False
-        workers, self.workers = list(self.workers.values()), {}
+        workers = list(self.workers.values())
+        self.workers.clear()
         stop([w.proc for w in workers], STOP_GRACE_S)
-        self._tell_peers(self._hello_request())
+        self.membership.tell_peers(self.membership.hello_request())
         self._idle_wait()
         self.pool.fill()
 
     def _idle_over(self) -> bool:
         """An idle node ends with the job: every member finished, or none answers any more."""
-        if self._others_finished():
+        if self.view.others_finished():
             return True
         limit = self.opts.node_grace + 4 * ASK_TIMEOUT_S
-        with self.cond:
-            members, now = [n for n in self.nodes if n != self.node], time.monotonic()
-            quiet = all(self._silent(n, now, limit) for n in members)
+        with self.view.cond:
+            members, now = [n for n in self.view.nodes if n != self.node], time.monotonic()
+            quiet = all(self.view.silent(n, now, limit) for n in members)
         if quiet:
             raise JobEnd(LaunchError.exit_code, f"no node of the view {members} answered this idle node "
                          f"for {limit:g} s", fix="the job ended or this node lost its "
@@ -243,10 +230,10 @@ class NodeAgent(Losses, Membership):
             if self.signalled is not None:
                 raise JobEnd(128 + self.signalled, f"stopped by signal {self.signalled}: workers stopped, "
                              "the other nodes are told this node leaves", False)
-            if self.end is not None:
-                raise self.end
-            with self.cond:
-                member = self.node in self.nodes
+            if self.view.end is not None:
+                raise self.view.end
+            with self.view.cond:
+                member = self.node in self.view.nodes
             if member and not self.active:
                 self._take_slot()
             elif (self.left_view or not member) and self.active:
@@ -257,7 +244,7 @@ class NodeAgent(Losses, Membership):
                     return 0
                 time.sleep(POLL_S)
                 continue
-            lost, others_done = [], self._others_finished()
+            lost, others_done = [], self.view.others_finished()
             for local, w in list(self.workers.items()):
                 if (others_done or self.finished_here) and (when := stranded(w)):
                     # Killed after the job's last collective, or in its final barrier when the barrier
@@ -276,31 +263,31 @@ class NodeAgent(Losses, Membership):
                     self.finished_here = True
                     del self.workers[local]
                     continue
-                with self.cond:
-                    stale = not w.joined and w.generation < self.generation
+                with self.view.cond:
+                    stale = not w.joined and w.generation < self.view.generation
                 if stale:
-                    self._restart_stale(local, w, code)
+                    self.losses.restart_stale(local, w, code)
                     continue
                 lost.append((local, w, code))
             if lost:
-                self._replace(lost)
-            self._reap_no_shows()
+                self.losses.replace(lost)
+            self.losses.reap_no_shows()
             if standbys_due(self.workers.values(), self.took_slot, time.monotonic()):
                 self.pool.fill()              # standbys that died are reported and replaced (backoff)
             if not self.workers:
-                self._tell_peers({"op": "leave", "node": self.node, "reason": "done"}, self._contacts(),
-                                 FINAL_TRIES)
+                self.membership.tell_peers({"op": "leave", "node": self.node, "reason": "done"},
+                                           self.view.contacts(), FINAL_TRIES)
                 self.events.emit("done", "every worker of this node finished", code=0)
                 return 0
             time.sleep(POLL_S)
 
     def _finish(self, end: JobEnd) -> int:
-        if self.end is None or self.end is end:
+        if self.view.end is None or self.view.end is end:
             reason = "signal" if self.signalled is not None else "end"
-            self.end = end
+            self.view.end = end
             if reason == "signal" or not end.from_peer:
-                self._tell_peers({"op": "leave", "node": self.node, "reason": reason, "code": end.code,
-                                  "why": end.message.splitlines()[0]}, self._contacts(), FINAL_TRIES)
+                self.membership.tell_peers({"op": "leave", "node": self.node, "reason": reason, "code": end.code,
+                                            "why": end.message.splitlines()[0]}, self.view.contacts(), FINAL_TRIES)
         self.events.emit("end", end.message, code=end.code)
         stop([w.proc for w in self.workers.values()], STOP_GRACE_S)
         self.pool.close()

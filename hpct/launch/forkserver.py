@@ -10,8 +10,9 @@ milliseconds; the child takes its session, log, folder and environment and runs 
 The server stays single-threaded (a fork copies no lock another thread holds) and is the
 workers' parent: it reaps them and reports each exit.  Its protocol is JSON lines: orders
 ``{"id", "argv", "env", "cwd", "log"}`` on its stdin; ``{"ev": "ready"}``, then
-``{"ev": "forked", "id", "pid"}`` and ``{"ev": "exited", "pid", "code"}`` (a Popen's returncode:
-negative for a signal) on its stdout.  It exits once its stdin ends and its last worker has, so
+``{"ev": "forked", "id", "pid"}`` and ``{"ev": "exited", "id", "pid", "code", "cpu"}`` (code: a
+Popen's returncode, negative for a signal; cpu: the seconds the child and its own children used)
+on its stdout.  It exits once its stdin ends and its last worker has, so
 workers outlive a killed agent as spawned ones do.  A worker dies with the server
 (PR_SET_PDEATHSIG): an exit nobody could report would leave a rank nobody replaces.
 
@@ -31,10 +32,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
+
+from .procs import process_state
 
 PR_SET_PDEATHSIG = 1
 REAP_S = 0.05               # how often the server reaps exited workers between orders
-FORK_TIMEOUT_S = 10.0       # an order the server does not answer within this is refused
+FORK_TIMEOUT_S = 10.0       # an order the server does not answer within this is refused (ForkServer's default)
 SETTLE_S = 5.0              # a forked child has this long to take its own session before its pid goes out
 SERVER_ARGV = ("-c", "import sys; del sys.path[0]; from hpct.launch.forkserver import serve; sys.exit(serve())")
 
@@ -98,9 +102,19 @@ def serve() -> int:
     # out hpct's backend, which asks as it registers; each worker imports it itself (30 ms).
     _warm(backend=False)
     _emit("ready")
-    children: set[int] = set()
+    return serve_orders(_child)
+
+
+def serve_orders(child: Callable[[dict, int], None], *, linger: bool = True) -> int:
+    """The server's loop on its stdin and stdout (the protocol in the module doc): fork for every
+    order; the child runs ``child(order, settled)`` and never comes back here (it closes
+    ``settled`` once it leads its own session).  An exit is reported with the order's id and the
+    CPU the child and its own children used.  It ends once its input has and, with ``linger``,
+    its last child has too (without, the children die with it: PR_SET_PDEATHSIG).
+    tests/zygote_server.py serves the suite's ranks with this loop and a child of its own."""
+    children: dict[int, object] = {}            # pid -> its order's id
     pending, open_input = b"", True
-    while open_input or children:
+    while open_input or (linger and children):
         if open_input and select.select([0], [], [], REAP_S)[0]:
             data = os.read(0, 1 << 16)
             open_input = bool(data)
@@ -112,23 +126,24 @@ def serve() -> int:
                 pid = os.fork()
                 if pid == 0:
                     os.close(settling)
-                    _child(order, settled)
+                    child(order, settled)
+                    os._exit(70)                # a child must not return to the server's loop
                 os.close(settled)
                 # The pid goes out only once the child leads its own session: the agent stops a
                 # worker by its process group, and a worker stopped (SIGSTOP) or killed before its
                 # setsid() had none, so the agent's kill missed it and it was never replaced.
                 select.select([settling], [], [], SETTLE_S)
                 os.close(settling)
-                children.add(pid)
+                children[pid] = order["id"]
                 _emit("forked", id=order["id"], pid=pid)
         elif not open_input:
             time.sleep(REAP_S)
         while children:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
             if pid == 0:
                 break
-            children.discard(pid)
-            _emit("exited", pid=pid, code=os.waitstatus_to_exitcode(status))
+            _emit("exited", id=children.pop(pid), pid=pid, code=os.waitstatus_to_exitcode(status),
+                  cpu=round(usage.ru_utime + usage.ru_stime, 3))
     return 0
 
 
@@ -146,10 +161,11 @@ class Forked:
 
 class ForkServer:
     """The agent's side.  ``ready`` is set once the server has imported torch; ``fork`` before
-    that, or after the server died, returns None and the caller starts the worker cold."""
+    that, or after the server died, returns None and the caller starts the worker cold, as it
+    does when the server has not forked within ``fork_timeout_s``."""
 
-    def __init__(self, log: Path, env: dict[str, str]) -> None:
-        self.log = log
+    def __init__(self, log: Path, env: dict[str, str], fork_timeout_s: float = FORK_TIMEOUT_S) -> None:
+        self.log, self.fork_timeout_s = log, fork_timeout_s
         self.proc = subprocess.Popen([sys.executable, *SERVER_ARGV], env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=open(log, "w"), start_new_session=True,
                                      cwd=os.getcwd())
@@ -198,7 +214,7 @@ class ForkServer:
                 self.proc.stdin.flush()
             except OSError:
                 return None
-            self.cond.wait_for(lambda: oid in self.forked or not self.alive(), FORK_TIMEOUT_S)
+            self.cond.wait_for(lambda: oid in self.forked or not self.alive(), self.fork_timeout_s)
             pid = self.forked.pop(oid, None)
             if pid is None:
                 self.abandoned.add(oid)
@@ -232,5 +248,4 @@ def _kill(pid: int) -> None:
 
 
 def _running(pid: int) -> bool:
-    from .workers import process_state      # workers.py imports this module
     return process_state(pid) not in (None, b"Z", b"X")

@@ -37,7 +37,7 @@ REFUSED_FLAGS = {
     "--virtual-local-rank": "LOCAL_RANK is the process's place on its node",
 }
 DEFAULT_GRACE_S = 5.0          # an agent silent this long is a lost node
-# A worker stopped by a signal this long is killed and replaced (workers.py's stopped_past): every
+# A worker stopped by a signal this long is killed and replaced (health.py's stopped_past): every
 # collective of the job waits on it meanwhile, and a stop of a second or two still rides through.
 DEFAULT_STOPPED_GRACE_S = 3.0
 STOP_GRACE_S = 10.0            # SIGTERM to workers, then SIGKILL after this
@@ -128,7 +128,7 @@ class RunOptions:
     log_dir: Path
     json_log: Path | None
     node_grace: float
-    stopped_grace: float              # workers.py's stopped_past; 0: a stopped worker is waited for
+    stopped_grace: float              # health.py's stopped_past; 0: a stopped worker is waited for
     slow_link_ms: float               # links.py; 0: a slow node keeps its slot
     port_env: tuple[tuple[str, str], ...]   # HPCT_PORT_BASE etc. for the workers, when given
     unused: tuple[str, ...] = ()

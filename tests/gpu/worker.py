@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from hpct.config import Config
-from hpct.distributed.nccl.engine import engine_for_group
+from hpct.distributed.nccl.plan import engine_for_group
 
 # -P keeps the script's folder off sys.path; the settings sit beside it.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -204,7 +204,7 @@ elif mode == "overhead":
     # engine's by default since 2026-11-27.  Same library, same pins, one table: stock, the
     # engine on both kinds of comm, and the bare calls on a non-blocking and on a blocking comm.
     from hpct.distributed.nccl import find as nccl_find, library as nccl_lib
-    from hpct.distributed.nccl.engine import job_key, nccl_addresses
+    from hpct.distributed.nccl.plan import job_key, nccl_addresses
     lib = nccl_find.load()
     stream = torch.cuda.Stream(dev)
     sh = stream.cuda_stream

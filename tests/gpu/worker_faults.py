@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from hpct.config import Config
 try:
-    from hpct.distributed.nccl.engine import engine_for_group
+    from hpct.distributed.nccl.plan import engine_for_group
 except ImportError:        # a wheel from before the engine became a package (the session-start proof)
     from hpct.distributed.nccl_engine import engine_for_group
 

@@ -105,7 +105,7 @@ if mode == "ddpstep":
 elif mode == "recovery":
     from hpct.config import Config
     try:
-        from hpct.distributed.nccl.engine import engine_for_group
+        from hpct.distributed.nccl.plan import engine_for_group
     except ImportError:    # a wheel from before the engine became a package (the session-start proof)
         from hpct.distributed.nccl_engine import engine_for_group
     ports = os.environ["MASTER_PORTS"].split(",")

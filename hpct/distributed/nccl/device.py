@@ -2,7 +2,7 @@
 
 This is one of the engine's two outside worlds (the other is the NCCL library, library.py);
 the engine reaches the runtime only through this interface, so that a test double with the
-same methods (tests/nccl_sim: CPU tensors, streams that are threads) runs the engine's own
+same methods (hpct/testing/nccl_sim: CPU tensors, streams that are threads) runs the engine's own
 code on a machine without a GPU.  The real one below is what a GPU run uses.
 
 Semantics the engine relies on (CUDA's, and what the double reproduces):

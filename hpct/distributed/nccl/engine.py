@@ -1,6 +1,6 @@
 """The NCCL engine of one hpct group: launch ops, fail the group once, shut down; bounded everywhere.
 
-Wiring (for the group facade and ``world._create``): ``engine_for_group`` (plan.py) builds one
+Wiring (for the group facade and ``world.create_group``): ``engine_for_group`` (plan.py) builds one
 per group and device; an op whose tensors are on CUDA goes to ``engine.<op>(...)`` (ops.py);
 abort()/shutdown() come from the facade; ``start_coalescing``/``end_coalescing`` bracket torch's
 ``_coalescing_manager``.  The communicator is created at the group's first launch.
@@ -38,13 +38,12 @@ from .forming import Forming
 from .launch import Launching
 from .library import NoCudaDeviceError
 from .ops import NcclOps
-from .plan import engine_for_group, format_addr, job_key, nccl_addresses
 from .watchdog import Watchers
 from .work import (NcclAbortedError, NcclConnectError, NcclGroupError, NcclOpTimeoutError, NcclRefusedError,
                    NcclWork, amend)
 
 __all__ = ["NcclAbortedError", "NcclConnectError", "NcclEngine", "NcclGroupError", "NcclOpTimeoutError",
-           "NcclRefusedError", "NcclWork", "engine_for_group", "format_addr", "job_key", "nccl_addresses"]
+           "NcclRefusedError", "NcclWork"]
 
 
 

@@ -159,7 +159,7 @@ class RootlessSpec:
                                     fix="give 'host:port' or '[v6]:port' from the port plan")
         if not 0 <= self.job_key < 2 ** 64:
             raise HpctArgumentError(f"rootless NCCL: job key {self.job_key} does not fit 64 bits",
-                                fix="derive it with nccl_engine.job_key()")
+                                fix="derive it with hpct.distributed.nccl.plan.job_key()")
         for name in ("generation", "group_index"):
             if not 0 <= getattr(self, name) < 2 ** 32:
                 raise HpctArgumentError(f"rootless NCCL: {name}={getattr(self, name)} does not fit 32 bits",

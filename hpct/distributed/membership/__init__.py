@@ -1,0 +1,1 @@
+"""Who is in the world and in which generation: group creation and the world's connect (world.py, slots.py), its one state (world_state.py), recovery and following hpct run's agent (recovery.py, follow.py, agent_link.py), shrink (elastic.py), grow (admission.py) and torch's reconfigure API (reconfigure.py)."""

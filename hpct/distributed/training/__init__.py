@@ -1,0 +1,1 @@
+"""Training over hpct groups: re-synchronising state after a recovery (state.py), finding and repairing drifted state (parity.py), DiLoCo (diloco.py) and striping a transfer over several connections (striping.py)."""
