@@ -8,6 +8,7 @@ these prove is the engine's logic; NCCL on a GPU is tests/gpu's (docs/gpu.md).
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import time
 import weakref
@@ -293,6 +294,36 @@ def test_settle_polls_and_yields_without_sleeping(monkeypatch):
     k = nccl_comm.SPIN_POLLS + 40
     assert nccl_comm.Communicator(Lib(k), "test").settle(60.0) == nccl_lib.SUCCESS
     assert len(yields) == k and len(sleeps) == 40 and max(sleeps) <= nccl_comm.MAX_BACKOFF_S
+
+
+def test_ranks_binding_at_once_get_the_one_table_of_callbacks():
+    """The simulated library's callbacks are the functions every engine's native launch calls:
+    ranks that bind at once must all get the same ones, kept alive by the library.  A second table
+    made by a racing rank was dropped with its callbacks while that rank's engine called them
+    (a segfault in a formation)."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)          # threads switch inside the table's making, as under load
+    try:
+        _bind_at_once()
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def _bind_at_once() -> None:
+    for _ in range(20):
+        lib = SimNccl()
+        start = threading.Barrier(8)
+        got: list = []
+
+        def bind():
+            start.wait(10)
+            got.append(lib.addresses())
+        threads = [threading.Thread(target=bind, daemon=True) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert len(got) == 8 and all(a == got[0] for a in got), "ranks bound to different callbacks"
 
 
 def test_shutdown_racing_a_failure_ends_the_comm_once(no_breach):

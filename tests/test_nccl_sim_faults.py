@@ -239,6 +239,43 @@ def test_shutdown_is_completed_and_get_future_stay_bounded_while_a_launch_holds_
     ranks.engines[1].shutdown(5.0)
 
 
+def test_a_send_issued_as_shutdown_looks_at_the_batch_is_refused_and_its_future_completes(no_breach):
+    """The race tests/test_nccl_sim_stress.py met about once in a few hundred rounds ("a future never
+    completed"): a rank's send passed the shut-down check, shutdown then found nothing batched and
+    stopped the completer, the send joined the batch, and its get_future launched it on the still
+    open comm and handed its future to the completer that had left.  Here the send is held between
+    its check and its batching until shutdown has stopped the completer; it must come out refused,
+    its future completed with the reason."""
+    ranks = Ranks(2)
+    ranks.run(lambda r, e: e.allreduce([torch.ones(1)]).wait())
+    ranks.lib.hang_op = True              # from now on a kernel ends only at an abort, as a send no peer takes
+    e = ranks.engines[0]
+    at_batch, go = threading.Event(), threading.Event()
+    follow, join = e._follow, e._watchers.join
+
+    def held_follow(work, caller):
+        follow(work, caller)
+        at_batch.set()
+        go.wait(10)
+
+    def join_then_release(timeout):
+        join(timeout)
+        go.set()
+        sender.join(10)                     # the send ends, and asks for its future, before the comm's end
+
+    e._follow = held_follow
+    e._watchers.join = join_then_release
+    sender, box = in_thread(lambda: e.send([torch.ones(4)], 1).get_future())
+    assert at_batch.wait(10), "the send did not reach its batching"
+    e.shutdown(3.0)
+    assert not sender.is_alive() and "out" in box, box
+    fut = box["out"]
+    until(fut.done, 5, "the send's future did not complete")
+    with pytest.raises(Exception, match="the group is shut down"):
+        fut.wait()
+    ranks.engines[1].shutdown(5.0)
+
+
 # ---------------------------------------------------------------- item 7: CUDA graphs
 def test_helper_threads_query_in_thread_local_mode_during_a_global_capture(monkeypatch, no_breach):
     """While the application captures a graph in global mode (torch.cuda.graph's default), the

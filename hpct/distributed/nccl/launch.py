@@ -70,6 +70,12 @@ class Launching:
                 self.runtime.enqueue(dev, self._stream, pre)
             if defer or self._coalescing:
                 with self._lock:
+                    # Looked at again under the lock shutdown sets _closed with: a work batched after
+                    # shutdown looked at the batch would be launched by nobody's flush but a late
+                    # get_future's, after the completer that settles its future has left.
+                    if self._failure is not None or self._closed:
+                        work._fail(self._err(NcclAbortedError, what, "the group is shut down"))
+                        return work
                     if defer or self._coalescing:
                         self._batch.append(work)
                         return work
@@ -79,6 +85,9 @@ class Launching:
                                                   f"for more than {self.op_timeout + ABORT_HELD_S:g} s"))
             return work
         try:
+            if self._closed:            # shut down while this waited for the lock: nothing may launch now
+                work._fail(self._err(NcclAbortedError, what, "the group is shut down"))
+                return work
             refused = self._launch_locked(self._take_batch() + [work] if self._batch else [work], what, caller)
         finally:
             lock.release()
@@ -94,6 +103,9 @@ class Launching:
         lock = self._launch_lock
         if (self._batch or self._coalescing or not self._formed or self._failure is not None or self._closed
                 or t.get_device() != self._device_index or t.is_sparse or not lock.acquire(False)):
+            return self._submit(what, tensors, calls, tensors)
+        if self._closed:                # shut down between the look above and the lock: _submit refuses it
+            lock.release()
             return self._submit(what, tensors, calls, tensors)
         rt = self.runtime
         try:

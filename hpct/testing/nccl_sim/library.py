@@ -119,6 +119,7 @@ class SimNccl:
         self._group = threading.local()
         self._lock = threading.Lock()
         self._table: Table | None = None
+        self._table_lock = threading.Lock()    # ranks bind at once; a losing table would free its callbacks
         self.group_starts = 0                # ncclGroupStart calls (tests: what a launch reached)
 
     # ---- the rules ---------------------------------------------------------------------------
@@ -205,7 +206,14 @@ class SimNccl:
         return SUCCESS
 
     def addresses(self) -> dict[str, int]:
-        """The functions the engine's native launch calls: callbacks into this library."""
+        """The functions the engine's native launch calls: callbacks into this library.  Made
+        once, under a lock: two ranks binding at once each made a table before, and the one not
+        kept was freed with its callbacks while its engine still called them (a segfault in about
+        one run in ten of test_nccl_sim.py's 12 formations)."""
+        with self._table_lock:
+            return dict(self._make_table().addresses)
+
+    def _make_table(self) -> Table:
         if self._table is None:
             t = Table()
             t.add("ncclGroupStart", GROUP, self.group_start, NCCL_INTERNAL_ERROR)
@@ -216,7 +224,7 @@ class SimNccl:
                                         ("ncclSend", P2P, self.send), ("ncclRecv", P2P, self.recv)):
                 t.add(name, proto, method, NCCL_INTERNAL_ERROR)
             self._table = t
-        return dict(self._table.addresses)
+        return self._table
 
     def _form(self, comm: SimComm) -> None:
         from hpct import _gloo
