@@ -47,7 +47,9 @@ TIMEOUT = timedelta(seconds=float(ARGS.get("timeout", 60)))
 
 
 def out(**fields) -> None:
-    print(json.dumps({"rank": RANK, "pid": os.getpid(), "torch": torch.__version__, **fields}), flush=True)
+    # One write with its newline: ranks share torchrun's stdout, and print() writes the newline apart.
+    sys.stdout.write(json.dumps({"rank": RANK, "pid": os.getpid(), "torch": torch.__version__, **fields}) + "\n")
+    sys.stdout.flush()
 
 
 def listening_ports() -> list[int]:

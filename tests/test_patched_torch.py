@@ -71,6 +71,21 @@ def _last_json(text: str) -> dict:
     return json.loads(lines[-1])
 
 
+def _objects(text: str) -> list[dict]:
+    """Every JSON object in ``text``, also where the ranks' lines ran together on one line."""
+    decoder, found, at = json.JSONDecoder(), [], text.find("{")
+    while at >= 0:
+        try:
+            obj, end = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            at = text.find("{", at + 1)
+            continue
+        if isinstance(obj, dict):
+            found.append(obj)
+        at = text.find("{", end)
+    return found
+
+
 def _python(envs, which: str, code: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([envs[which], "-c", code], capture_output=True, text=True, timeout=timeout,
                           env=env or _clean_env(), cwd="/")
@@ -264,7 +279,7 @@ def test_torchrun_restarts_a_rootless_job_whose_rank_was_killed(envs, fault_free
                           env=_clean_env(HPCT_USE_ROOTLESS=1, HPCT_PORT_BASE=base, HPCT_CONNECT_TIMEOUT=60),
                           capture_output=True, text=True, timeout=JOB_TIMEOUT_S, cwd="/")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    results = [json.loads(ln[ln.index("{"):]) for ln in proc.stdout.splitlines() if '"digest"' in ln]
+    results = [r for r in _objects(proc.stdout) if "digest" in r]
     assert sorted(r["rank"] for r in results) == [0, 1, 2, 3]
     assert {r["digest"] for r in results} == {fault_free[0]["digest"]}
     assert {r["recoveries"] for r in results} == {0}          # a fresh start, not an in-process rebuild
