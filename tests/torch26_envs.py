@@ -44,14 +44,6 @@ def _key(*parts: str) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _run(cmd: list, what: str, timeout: float = PIP_TIMEOUT_S, cwd: Path | None = None) -> str:
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, cwd=cwd)
     if proc.returncode != 0:
@@ -94,12 +86,12 @@ def _prepare(log) -> dict:
                "hpct-build wheel torch=2.6.0", timeout=3 * 3600, cwd=REPO)
     patched_wheel = Path(out.strip().splitlines()[-1])
     from hpct.builder.layout import Layout
-    from hpct.builder.sources import load_manifest
+    from hpct.builder.sources import load_manifest, sha256_of
     pin = load_manifest(Layout(REPO), "pytorch").extra["wheel"]["files"][tag]
     stock_wheel = REPO / "third_party" / "cache" / "torch-wheels" / pin["file"]
     stock = _venv(f"venv-torch-{VERSION}-{_key(tag, pin['sha256'], *TEST_PACKAGES)}",
                   [str(stock_wheel), *TEST_PACKAGES], log)
-    patched = _venv(f"venv-torch-{VERSION}+hpct-{_key(tag, _sha256(patched_wheel), *TEST_PACKAGES)}",
+    patched = _venv(f"venv-torch-{VERSION}+hpct-{_key(tag, sha256_of(patched_wheel), *TEST_PACKAGES)}",
                     [str(patched_wheel), *TEST_PACKAGES], log)
     for stale in _cache().glob(f"venv-torch-{VERSION}+hpct-*"):     # 4.7 GB each: only the current one stays
         if stale != patched:
